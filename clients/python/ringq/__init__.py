@@ -1,0 +1,1 @@
+"""ringq: the Python client of the ringq broker. `ringq.v1` holds the code generated from protos/."""
