@@ -35,3 +35,22 @@ def test_a_failing_seed_is_named() -> None:
     sim.checker.on_publish = lambda publisher, first, count: (_ for _ in ()).throw(AssertionError("planted"))  # type: ignore[method-assign]
     with pytest.raises(AssertionError, match=r"^seed 7 at t="):
         sim.run()
+
+
+@pytest.mark.parametrize(
+    "seed",
+    [
+        # A newcomer dropped what a member inserted before it sent ahead of the
+        # newcomer's own joining catchup, then delivered with a hole.
+        4456,
+        4602,
+        4684,
+        4730,
+        4803,
+        # An acknowledgement died with every member carrying it; the dead
+        # publisher's owner could never retire it, so it was never erased.
+        4276,
+    ],
+)
+def test_seeds_that_found_protocol_bugs(seed: int) -> None:
+    Simulation(seed).run()

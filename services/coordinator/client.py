@@ -12,9 +12,9 @@ from types import TracebackType
 from typing import Self, TypeVar
 
 import grpc
-from ringq.v1 import coordinator_pb2, coordinator_pb2_grpc
 from tenacity import AsyncRetrying, retry_if_exception, stop_after_delay, wait_exponential
 
+from ringq.v1 import coordinator_pb2, coordinator_pb2_grpc
 from services.coordinator.convert import change_to_request, group_from_proto, outcome_from_proto
 from services.coordinator.group_table import Group, GroupChange, Outcome
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from ringq.v1 import coordinator_pb2, group_table_pb2
-
 from services.coordinator.group_table import (
     AddMember,
     CreateGroup,

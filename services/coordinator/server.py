@@ -15,8 +15,8 @@ import signal
 from typing import Any
 
 import grpc
-from ringq.v1 import coordinator_pb2, coordinator_pb2_grpc, group_table_pb2
 
+from ringq.v1 import coordinator_pb2, coordinator_pb2_grpc, group_table_pb2
 from services.coordinator.convert import ChangeRequest, change_from_request, group_to_proto, outcome_to_proto
 from services.coordinator.store import SqliteStore, Store
 

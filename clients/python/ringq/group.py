@@ -1,0 +1,80 @@
+"""Joining a GM group from Python: a thin asyncio client of ringq.v1.GroupService.
+
+A `GroupMembership` is one member of a group, hosted by the node it called.
+Events (deliveries, membership changes) arrive in the member's order through
+`events()`; `broadcast()` sends to every member, the sender included.
+
+    membership = await GroupMembership.join("127.0.0.1:7101", "orders")
+    await membership.broadcast([b"hello"], confirmed=True)
+    async for event in membership.events():
+        ...
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+
+from ringq.v1 import group_pb2, group_pb2_grpc
+
+CHANNEL_OPTIONS = [
+    ("grpc.max_send_message_length", 64 * 1024 * 1024),
+    ("grpc.max_receive_message_length", 64 * 1024 * 1024),
+]
+
+
+class GroupMembership:
+    """One member of a group; create it with `await GroupMembership.join(...)`."""
+
+    def __init__(self, channel: grpc.aio.Channel, call: Any, joined: group_pb2.Joined) -> None:
+        self._channel = channel
+        self._call = call
+        self._stub = group_pb2_grpc.GroupServiceStub(channel)
+        self.joined = joined
+        self.member_id = joined.member
+
+    @classmethod
+    async def join(cls, address: str, group: str, timeout: float = 30.0) -> GroupMembership:
+        """Join `group` as a member hosted by the node at `address`."""
+        channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        stub = group_pb2_grpc.GroupServiceStub(channel)
+        call: Any = stub.Join(group_pb2.JoinRequest(group=group))
+        try:
+            first: Any = await asyncio.wait_for(call.read(), timeout)
+        except BaseException:
+            call.cancel()
+            await channel.close()
+            raise
+        if first is grpc.aio.EOF or first.WhichOneof("kind") != "joined":  # type: ignore[attr-defined]
+            await channel.close()
+            raise ConnectionError(f"joining {group} at {address} did not start with Joined")
+        return cls(channel, call, first.joined)
+
+    async def broadcast(self, payloads: list[bytes], confirmed: bool = False) -> tuple[int, int]:
+        """Broadcast `payloads`; returns their first and last sequence numbers."""
+        request = group_pb2.BroadcastRequest(member=self.member_id, payloads=payloads, confirmed=confirmed)
+        response = await self._stub.Broadcast(request)
+        return response.first_seq, response.last_seq
+
+    async def events(self) -> AsyncIterator[group_pb2.GroupEvent]:
+        """The member's events after Joined, until it leaves or its node fails."""
+        while True:
+            event: Any = await self._call.read()
+            if event is grpc.aio.EOF:  # type: ignore[attr-defined]
+                return
+            yield event
+
+    async def leave(self) -> None:
+        """Leave the group gracefully."""
+        try:
+            await self._stub.Leave(group_pb2.LeaveRequest(member=self.member_id))
+        finally:
+            await self.close()
+
+    async def close(self) -> None:
+        """Drop the connection (the node makes the member leave)."""
+        self._call.cancel()
+        await self._channel.close()

@@ -1,0 +1,301 @@
+"""Links between broker nodes: one long-lived bidirectional gRPC stream per
+pair of nodes, shared by every group in which they are neighbours.
+
+Responsible for: dialling peers on demand, accepting their dials, carrying
+PeerFrames both ways in order, heartbeats on idle links, fragmentation of
+ring messages over 64 KiB, and telling the node how long each peer has been
+silent (the failure detector's input).
+
+Guarantees:
+- At most one stream per pair is active. If both nodes dial at once, the dial
+  of the node whose id sorts first wins; the other is refused.
+- Frames queued for a peer are sent in order on the active stream. Frames
+  written to a stream that breaks may be lost: the node is told of every new
+  stream after the first (`on_reconnect`) so that members re-send a Catchup,
+  which recovers anything lost (services/gm/ring.py, `resend_catchup`).
+- Frames of a newer protocol major version are dropped (rolling upgrade);
+  malformed frames are dropped and logged, never passed on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import grpc
+
+from ringq.v1 import peer_pb2, peer_pb2_grpc
+from services.gm.fragments import MAX_FRAGMENT_BYTES, FragmentError, Reassembler, split
+
+PROTOCOL_MAJOR = 1
+PROTOCOL_MINOR = 0
+# Large enough for any fragment plus framing; fragments keep frames far below it.
+GRPC_MAX_MESSAGE_BYTES = 8 * 1024 * 1024
+CHANNEL_OPTIONS = [
+    ("grpc.max_send_message_length", GRPC_MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", GRPC_MAX_MESSAGE_BYTES),
+    # Reconnect quickly after a peer restarts; gRPC's default backoff reaches minutes.
+    ("grpc.initial_reconnect_backoff_ms", 50),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+]
+
+log = logging.getLogger("ringq.links")
+# The end-of-stream marker of grpc.aio's read(); the type stubs predate it.
+_EOF: Any = grpc.aio.EOF  # type: ignore[attr-defined]
+
+RingMessageHandler = Callable[[str, peer_pb2.RingMessage], None]
+
+
+def frame(**kind: Any) -> peer_pb2.PeerFrame:
+    """A PeerFrame of our protocol version carrying `kind`."""
+    return peer_pb2.PeerFrame(protocol_major=PROTOCOL_MAJOR, protocol_minor=PROTOCOL_MINOR, **kind)
+
+
+class _Link:
+    """Our side of the link to one peer node."""
+
+    def __init__(self, peer: str, now: float) -> None:
+        self.peer = peer
+        self.outbox: asyncio.Queue[peer_pb2.PeerFrame] = asyncio.Queue()
+        self.last_heard = now
+        self.active = False
+        self.dialing = False
+        self.wanted = False
+        self.streams = 0
+        self.peer_incarnation = ""
+        self.next_message_id = 1
+        self.stop_stream: Callable[[], None] | None = None
+
+
+class LinkManager:
+    """All links of one node."""
+
+    def __init__(
+        self,
+        node: str,
+        incarnation: str,
+        address_of: Callable[[str], Awaitable[str | None]],
+        on_ring_message: RingMessageHandler,
+        on_reconnect: Callable[[str], None],
+        heartbeat_interval: float = 0.25,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.node = node
+        self.incarnation = incarnation
+        self.address_of = address_of
+        self.on_ring_message = on_ring_message
+        self.on_reconnect = on_reconnect
+        self.heartbeat_interval = heartbeat_interval
+        self.clock = clock
+        self._links: dict[str, _Link] = {}
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._closed = False
+
+    # ----------------------------------------------------------------- sending
+
+    def send(self, peer: str, message: peer_pb2.RingMessage) -> None:
+        """Queue `message` for `peer`, dialling it if there is no stream yet."""
+        link = self._link(peer)
+        link.outbox.put_nowait(frame(ring_message=message))
+        self._ensure_dial(link)
+
+    def want(self, peers: set[str]) -> None:
+        """Keep links to `peers` up (our members' neighbours); let others idle."""
+        for peer in peers - {self.node}:
+            link = self._link(peer)
+            if not link.wanted:
+                link.wanted = True
+                link.last_heard = max(link.last_heard, self.clock()) if not link.active else link.last_heard
+            self._ensure_dial(link)
+        for peer, link in self._links.items():
+            if peer not in peers:
+                link.wanted = False
+
+    def silent_for(self, peer: str) -> float:
+        """Seconds since anything was heard from `peer` (or since we first wanted it)."""
+        link = self._links.get(peer)
+        if link is None:
+            return 0.0
+        return self.clock() - link.last_heard
+
+    def is_connected(self, peer: str) -> bool:
+        link = self._links.get(peer)
+        return link is not None and link.active
+
+    async def close(self) -> None:
+        self._closed = True
+        for link in self._links.values():
+            if link.stop_stream is not None:
+                link.stop_stream()
+        for task in list(self._tasks):
+            task.cancel()
+        for task in list(self._tasks):
+            with contextlib.suppress(BaseException):
+                await task
+        for channel in self._channels.values():
+            await channel.close(grace=None)
+
+    # ------------------------------------------------------------------ dials
+
+    def _link(self, peer: str) -> _Link:
+        link = self._links.get(peer)
+        if link is None:
+            link = self._links[peer] = _Link(peer, self.clock())
+        return link
+
+    def _spawn(self, coroutine: Awaitable[None]) -> None:
+        task: asyncio.Task[None] = asyncio.ensure_future(coroutine)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _ensure_dial(self, link: _Link) -> None:
+        if not link.active and not link.dialing and not self._closed:
+            link.dialing = True
+            self._spawn(self._dial_loop(link))
+
+    async def _dial_loop(self, link: _Link) -> None:
+        backoff = 0.02
+        try:
+            while not self._closed and not link.active and (link.wanted or not link.outbox.empty()):
+                address = await self.address_of(link.peer)
+                if address is not None:
+                    try:
+                        await self._dial(link, address)
+                        backoff = 0.02
+                    except grpc.aio.AioRpcError as error:
+                        log.debug("link to %s: %s", link.peer, error.code().name)
+                    except (TimeoutError, ConnectionError, FragmentError) as error:
+                        log.debug("link to %s: %s", link.peer, error)
+                if link.active:
+                    break
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 0.5)
+        finally:
+            link.dialing = False
+
+    async def _dial(self, link: _Link, address: str) -> None:
+        channel = self._channels.get(address)
+        if channel is None:
+            channel = self._channels[address] = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        stub = peer_pb2_grpc.PeerServiceStub(channel)
+        # Called without a request iterator: the stream is driven by write()/read().
+        open_link: Any = stub.Link
+        call = open_link()
+        await call.write(frame(hello=peer_pb2.Hello(node=self.node, incarnation=self.incarnation)))
+        answer: Any = await asyncio.wait_for(call.read(), timeout=5.0)
+        if answer is _EOF or answer.WhichOneof("kind") != "hello" or answer.hello.node != link.peer:
+            call.cancel()
+            raise ConnectionError(f"{link.peer} did not accept the link")
+        if link.active:  # an incoming stream won meanwhile
+            call.cancel()
+            return
+        await self._carry(link, answer.hello, call.read, call.write, call.cancel)
+
+    # -------------------------------------------------------------- accepting
+
+    async def accept(self, context: grpc.aio.ServicerContext[Any, Any]) -> None:
+        """Serve one incoming Link stream (PeerService.Link) until it ends."""
+        first = await context.read()
+        if first is _EOF or first.WhichOneof("kind") != "hello" or not first.hello.node:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a link must open with a Hello naming the node")
+        hello = first.hello
+        if hello.node == self.node:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a node cannot link to itself")
+        link = self._link(hello.node)
+        same_peer = link.peer_incarnation == hello.incarnation
+        if link.active and same_peer:
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"a link with {hello.node} is already up")
+        if link.dialing and self.node < hello.node and not link.active:
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"{self.node} is dialling {hello.node}")
+        if link.active and link.stop_stream is not None:
+            link.stop_stream()  # the peer restarted: its old stream is dead
+        await context.write(frame(hello=peer_pb2.Hello(node=self.node, incarnation=self.incarnation)))
+        await self._carry(link, hello, context.read, context.write, lambda: None)
+
+    # --------------------------------------------------------------- carrying
+
+    async def _carry(
+        self,
+        link: _Link,
+        hello: peer_pb2.Hello,
+        read: Callable[[], Awaitable[Any]],
+        write: Callable[[peer_pb2.PeerFrame], Awaitable[None]],
+        cancel: Callable[[], object],
+    ) -> None:
+        link.active = True
+        link.streams += 1
+        reconnected = link.streams > 1
+        link.peer_incarnation = hello.incarnation
+        link.last_heard = self.clock()
+        reassembler = Reassembler()
+        writer = asyncio.ensure_future(self._write_loop(link, write))
+        reader = asyncio.ensure_future(self._read_loop(link, read, reassembler))
+
+        def stop() -> None:
+            writer.cancel()
+            reader.cancel()
+            cancel()
+
+        link.stop_stream = stop
+        if reconnected:
+            self.on_reconnect(link.peer)
+        try:
+            await asyncio.wait({writer, reader}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stop()
+            for task in (writer, reader):
+                with contextlib.suppress(BaseException):
+                    await task
+            link.active = False
+            link.stop_stream = None
+            if not self._closed:
+                self._ensure_dial(link)
+
+    async def _write_loop(self, link: _Link, write: Callable[[peer_pb2.PeerFrame], Awaitable[None]]) -> None:
+        outbox = link.outbox
+        while True:
+            try:
+                item = await asyncio.wait_for(outbox.get(), timeout=self.heartbeat_interval)
+            except TimeoutError:
+                await write(frame(heartbeat=peer_pb2.Heartbeat(sent_at_unix_ms=int(time.time() * 1000))))
+                continue
+            if item.ring_message.ByteSize() > MAX_FRAGMENT_BYTES:
+                data = item.ring_message.SerializeToString()
+                message_id = link.next_message_id
+                link.next_message_id += 1
+                for fragment in split(data, message_id):
+                    await write(frame(fragment=fragment))
+            else:
+                await write(item)
+
+    async def _read_loop(self, link: _Link, read: Callable[[], Awaitable[Any]], reassembler: Reassembler) -> None:
+        while True:
+            received = await read()
+            if received is _EOF:
+                return
+            link.last_heard = self.clock()
+            if received.protocol_major > PROTOCOL_MAJOR:
+                log.warning("dropping a frame of protocol %d from %s", received.protocol_major, link.peer)
+                continue
+            kind = received.WhichOneof("kind")
+            if kind == "ring_message":
+                self.on_ring_message(link.peer, received.ring_message)
+            elif kind == "fragment":
+                try:
+                    data = reassembler.add(received.fragment)
+                except FragmentError as error:
+                    log.warning("dropping a fragmented message from %s: %s", link.peer, error)
+                    continue
+                if data is not None:
+                    message = peer_pb2.RingMessage()
+                    try:
+                        message.ParseFromString(data)
+                    except Exception as error:  # protobuf's DecodeError
+                        log.warning("dropping an unreadable message from %s: %s", link.peer, error)
+                        continue
+                    self.on_ring_message(link.peer, message)

@@ -1,0 +1,256 @@
+"""The shell around one ring member: real timers, links and coordinator calls.
+
+Responsible for: feeding a `RingMember` its inputs one at a time from an
+inbox, and carrying out the actions it returns: sending on links, handing
+deliveries to the application, resolving confirmed broadcasts, reading and
+writing the group table (each awaited before the next input, as the ring's
+contract asks), flush timers, and the join handshake. Guarantees: inputs are
+processed strictly one after another in arrival order; a protocol violation
+stops the member (it never carries on with a state it cannot trust).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+from services.coordinator.group_table import Group, GroupChange, Outcome
+from services.gm.messages import (
+    Action,
+    AddOnRightReply,
+    ChooseLeft,
+    Confirmed,
+    Deliver,
+    Joined,
+    MembersChanged,
+    ReadGroup,
+    RequestAddOnRight,
+    RingMessage,
+    SendRight,
+    StartFlushTimer,
+    Stopped,
+    WatchNeighbours,
+    WriteGroup,
+)
+from services.gm.ring import ProtocolViolation, RingMember
+
+log = logging.getLogger("ringq.member")
+
+MemberEvent = Joined | Deliver | MembersChanged | Stopped
+
+
+class MemberHost(Protocol):
+    """What a member needs from the node hosting it."""
+
+    flush_interval: float
+
+    async def read_group(self, group: str) -> Group: ...
+
+    async def change_group(self, group: str, change: GroupChange) -> tuple[Outcome, Group]: ...
+
+    def send_ring_message(self, node: str, message: RingMessage) -> None: ...
+
+    async def add_on_right(self, group: str, left: str, node: str, newcomer: str) -> Group | None: ...
+
+    def neighbours_changed(self) -> None: ...
+
+
+@dataclass
+class Neighbours:
+    left: str
+    left_node: str
+    right: str
+    right_node: str
+
+
+class MemberShell:
+    """Runs one RingMember; `events` receives what the application should see."""
+
+    def __init__(self, host: MemberHost, core: RingMember, events: Callable[[MemberEvent], None]) -> None:
+        self.host = host
+        self.core = core
+        self.events = events
+        self.neighbours: Neighbours | None = None
+        self.joined = asyncio.Event()
+        self.stopped: Stopped | None = None
+        self._done = asyncio.Event()
+        self._inbox: asyncio.Queue[Callable[[RingMember], list[Action]]] = asyncio.Queue()
+        self._confirms: list[tuple[int, asyncio.Future[None]]] = []
+        self._confirmed_through = 0
+        self._add_replies: dict[str, asyncio.Future[Group | None]] = {}
+        self._calls: set[asyncio.Future[tuple[int, list[Action]]]] = set()
+        self._flush_armed = False
+        self._task: asyncio.Task[None] | None = None
+        self._tasks: set[asyncio.Future[None]] = set()
+
+    @property
+    def id(self) -> str:
+        return self.core.id
+
+    def start(self) -> None:
+        self._task = asyncio.ensure_future(self._run())
+        self.post(lambda core: core.start())
+
+    def post(self, step: Callable[[RingMember], list[Action]]) -> None:
+        """Queue one input for the ring member."""
+        self._inbox.put_nowait(step)
+
+    async def wait_stopped(self) -> Stopped | None:
+        await self._done.wait()
+        return self.stopped
+
+    # ------------------------------------------------------------ application
+
+    async def broadcast(self, bodies: list[bytes], confirmed: bool) -> tuple[int, int]:
+        """Broadcast `bodies`; with `confirmed`, wait until every live member delivered them."""
+        if self.stopped is not None:
+            raise ConnectionAbortedError(f"member {self.id} stopped: {self.stopped.reason}")
+        result: asyncio.Future[tuple[int, list[Action]]] = asyncio.get_running_loop().create_future()
+        self._calls.add(result)
+        result.add_done_callback(self._calls.discard)
+
+        def step(core: RingMember) -> list[Action]:
+            first, actions = core.broadcast(bodies)  # NotJoined propagates to the caller
+            result.set_result((first, []))
+            return actions
+
+        self.post(self._guard(step, result))
+        first, _ = await result
+        last = first + len(bodies) - 1
+        if confirmed and last > self._confirmed_through:
+            waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            self._confirms.append((last, waiter))
+            await waiter
+        return first, last
+
+    async def add_on_right(self, newcomer: str, node: str) -> Group | None:
+        """Serve a newcomer's AddOnRight request (PeerService)."""
+        reply: asyncio.Future[Group | None] = asyncio.get_running_loop().create_future()
+        self._add_replies[newcomer] = reply
+        self.post(lambda core: core.on_add_on_right(newcomer, node))
+        return await reply
+
+    def leave(self) -> None:
+        self.post(lambda core: core.leave())
+
+    # ------------------------------------------------------------------- loop
+
+    def _guard(
+        self, step: Callable[[RingMember], list[Action]], result: asyncio.Future[tuple[int, list[Action]]]
+    ) -> Callable[[RingMember], list[Action]]:
+        def guarded(core: RingMember) -> list[Action]:
+            try:
+                return step(core)
+            except ProtocolViolation:
+                raise
+            except Exception as error:
+                if not result.done():
+                    result.set_exception(error)
+                return []
+
+        return guarded
+
+    async def _run(self) -> None:
+        try:
+            while self.stopped is None:
+                step = await self._inbox.get()
+                await self._execute(step(self.core))
+        except ProtocolViolation as error:
+            log.error("member %s stopped on a protocol violation: %s", self.id, error)
+            self._finish(Stopped(f"protocol violation: {error}"))
+        except Exception as error:
+            log.exception("member %s failed", self.id)
+            self._finish(Stopped(f"failed: {error!r}"))
+
+    async def _execute(self, actions: list[Action]) -> None:
+        pending = list(actions)
+        while pending:
+            action = pending.pop(0)
+            pending[:0] = await self._perform(action)
+
+    async def _perform(self, action: Action) -> list[Action]:
+        core = self.core
+        group = core.group_name
+        if isinstance(action, SendRight):
+            self.host.send_ring_message(action.node, action.message)
+        elif isinstance(action, Deliver | MembersChanged):
+            self.events(action)
+        elif isinstance(action, Confirmed):
+            self._confirm(action.through_seq)
+        elif isinstance(action, Joined):
+            self.joined.set()
+            self.events(action)
+        elif isinstance(action, ReadGroup):
+            return core.on_group(await self.host.read_group(group))
+        elif isinstance(action, WriteGroup):
+            outcome, written = await self.host.change_group(group, action.change)
+            return core.on_group_written(outcome, written)
+        elif isinstance(action, StartFlushTimer):
+            if not self._flush_armed:
+                self._flush_armed = True
+                asyncio.get_running_loop().call_later(self.host.flush_interval, self._flush_due)
+        elif isinstance(action, ChooseLeft):
+            return core.join_via(random.choice(action.candidates))
+        elif isinstance(action, RequestAddOnRight):
+            task = asyncio.ensure_future(self._request_add(action.left, action.node))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+        elif isinstance(action, AddOnRightReply):
+            reply = self._add_replies.pop(action.newcomer, None)
+            if reply is not None and not reply.done():
+                reply.set_result(action.group)
+        elif isinstance(action, WatchNeighbours):
+            self.neighbours = Neighbours(action.left, action.left_node, action.right, action.right_node)
+            self.host.neighbours_changed()
+        elif isinstance(action, Stopped):
+            self._finish(action)
+        return []
+
+    def _flush_due(self) -> None:
+        self._flush_armed = False
+        self.post(lambda core: core.flush())
+
+    def _confirm(self, through: int) -> None:
+        self._confirmed_through = max(self._confirmed_through, through)
+        still: list[tuple[int, asyncio.Future[None]]] = []
+        for seq, waiter in self._confirms:
+            if seq <= through:
+                if not waiter.done():
+                    waiter.set_result(None)
+            else:
+                still.append((seq, waiter))
+        self._confirms = still
+
+    async def _request_add(self, left: str, node: str) -> None:
+        try:
+            group = await self.host.add_on_right(self.core.group_name, left, node, self.id)
+        except ConnectionError:
+            self.post(lambda core: core.on_join_failed(left, unreachable=True))
+            return
+        if group is None:
+            await asyncio.sleep(0.05)  # the member asked is still joining itself
+            self.post(lambda core: core.on_join_failed(left, unreachable=False))
+        else:
+            self.post(lambda core: core.on_join_reply(group))
+
+    def _finish(self, stopped: Stopped) -> None:
+        if self.stopped is not None:
+            return
+        self.stopped = stopped
+        for _, waiter in self._confirms:
+            if not waiter.done():
+                waiter.set_exception(ConnectionAbortedError(f"member {self.id} stopped: {stopped.reason}"))
+        self._confirms = []
+        for call in list(self._calls):
+            if not call.done():
+                call.set_exception(ConnectionAbortedError(f"member {self.id} stopped: {stopped.reason}"))
+        for reply in self._add_replies.values():
+            if not reply.done():
+                reply.set_result(None)
+        self.events(stopped)
+        self._done.set()
+        self.host.neighbours_changed()

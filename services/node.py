@@ -1,0 +1,443 @@
+"""A broker node: one process hosting GM ring members (and, later, queues).
+
+Responsible for: serving PeerService (links to other nodes, AddOnRight) and
+GroupService (applications joining groups) on one gRPC port, routing ring
+messages to the member of their group, registering with the coordinator, and
+detecting failed neighbours: a neighbour's node silent for the failure timeout,
+and still silent after a short grace (a partial partition may heal in between),
+is reported to the member, which records the death in the group table.
+Guarantees: a node hosts at most one member per group; ring messages for a
+member this node does not host are dropped; SIGTERM makes every member leave
+gracefully before the process exits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import re
+import signal
+import sys
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from ringq.v1 import group_pb2, group_pb2_grpc, peer_pb2, peer_pb2_grpc
+from services.coordinator.client import CoordinatorClient
+from services.coordinator.convert import group_from_proto, group_to_proto
+from services.coordinator.group_table import Group, GroupChange, Outcome
+from services.coordinator.server import group_name_problem
+from services.gm import wire
+from services.gm.links import CHANNEL_OPTIONS, LinkManager
+from services.gm.member import MemberEvent, MemberShell
+from services.gm.messages import Deliver, Joined, MembersChanged, RingMessage, Stopped
+from services.gm.ring import NotJoined, RingMember
+
+log = logging.getLogger("ringq.node")
+
+MAX_PAYLOAD_BYTES = 16 * 1024 * 1024
+JOIN_ATTEMPTS = 5
+_NODE_ID = re.compile(r"[A-Za-z0-9._-]{1,64}")
+
+
+@dataclass(frozen=True)
+class NodeSettings:
+    """Timers of a node; every one is a flag of `ringq node`."""
+
+    flush_interval: float = 0.002
+    heartbeat_interval: float = 0.25
+    failure_timeout: float = 2.0
+    grace: float = 0.1
+
+
+class Node:
+    """The state of one broker node process."""
+
+    def __init__(self, node_id: str, address: str, coordinator: CoordinatorClient, settings: NodeSettings) -> None:
+        self.id = node_id
+        self.address = address
+        self.coordinator = coordinator
+        self.settings = settings
+        self.flush_interval = settings.flush_interval
+        self.incarnation = uuid.uuid4().hex
+        self.links = LinkManager(
+            node_id,
+            self.incarnation,
+            self._address_of,
+            self._on_ring_message,
+            self._on_reconnect,
+            heartbeat_interval=settings.heartbeat_interval,
+        )
+        self.members: dict[str, MemberShell] = {}  # by group
+        self._addresses: dict[str, str] = {}
+        self._peer_channels: dict[str, grpc.aio.Channel] = {}
+        self._reported: set[tuple[str, str]] = set()
+        self._detector: asyncio.Task[None] | None = None
+        self._tasks: set[asyncio.Future[None]] = set()
+
+    # -------------------------------------------------------------- lifecycle
+
+    async def start(self) -> None:
+        await self.coordinator.register_node(self.id, self.address)
+        self._detector = asyncio.ensure_future(self._detect_failures())
+
+    async def stop(self, timeout: float = 3.0) -> None:
+        for member in list(self.members.values()):
+            member.leave()
+        waits = [m.wait_stopped() for m in self.members.values()]
+        if waits:
+            await asyncio.wait([asyncio.ensure_future(w) for w in waits], timeout=timeout)
+        if self._detector is not None:
+            self._detector.cancel()
+        await self.links.close()
+        for channel in self._peer_channels.values():
+            await channel.close(grace=None)
+        await self.coordinator.close()
+
+    def new_member(self, group: str, events: Callable[[MemberEvent], None]) -> MemberShell:
+        member_id = f"{self.id}.{uuid.uuid4().hex[:12]}"
+        member = MemberShell(self, RingMember(group, member_id, self.id), events)
+        self.members[group] = member
+        member.start()
+        return member
+
+    def forget(self, member: MemberShell) -> None:
+        if self.members.get(member.core.group_name) is member:
+            del self.members[member.core.group_name]
+        self.neighbours_changed()
+
+    def member_by_id(self, member_id: str) -> MemberShell | None:
+        for member in self.members.values():
+            if member.id == member_id:
+                return member
+        return None
+
+    # ------------------------------------------------------------- MemberHost
+
+    async def read_group(self, group: str) -> Group:
+        return await self.coordinator.read_group(group)
+
+    async def change_group(self, group: str, change: GroupChange) -> tuple[Outcome, Group]:
+        return await self.coordinator.change_group(group, change)
+
+    def send_ring_message(self, node: str, message: RingMessage) -> None:
+        self.links.send(node, wire.to_proto(message))
+
+    async def add_on_right(self, group: str, left: str, node: str, newcomer: str) -> Group | None:
+        deadline = time.monotonic() + self.settings.failure_timeout
+        request = peer_pb2.AddOnRightRequest(group=group, left=left, newcomer=newcomer, newcomer_node=self.id)
+        while True:
+            address = await self._address_of(node)
+            if address is not None:
+                stub = peer_pb2_grpc.PeerServiceStub(self._peer_channel(address))
+                try:
+                    response = await stub.AddOnRight(request, timeout=self.settings.failure_timeout + 5.0)
+                    return group_from_proto(response.group)
+                except grpc.aio.AioRpcError as error:
+                    if error.code() in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.NOT_FOUND):
+                        return None
+                    if error.code() != grpc.StatusCode.UNAVAILABLE:
+                        raise ConnectionError(f"AddOnRight to {left}: {error.code().name}") from error
+            if time.monotonic() > deadline:
+                raise ConnectionError(f"{left} on {node} is unreachable")
+            await asyncio.sleep(0.05)
+
+    def neighbours_changed(self) -> None:
+        peers: set[str] = set()
+        for member in self.members.values():
+            if member.neighbours is not None and member.stopped is None:
+                peers.update((member.neighbours.left_node, member.neighbours.right_node))
+        self.links.want(peers)
+
+    # ------------------------------------------------------------------ links
+
+    async def _address_of(self, node: str) -> str | None:
+        if node not in self._addresses:
+            try:
+                self._addresses.update(await self.coordinator.list_nodes())
+            except grpc.aio.AioRpcError:
+                return None
+        return self._addresses.get(node)
+
+    def _peer_channel(self, address: str) -> grpc.aio.Channel:
+        channel = self._peer_channels.get(address)
+        if channel is None:
+            channel = self._peer_channels[address] = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        return channel
+
+    def _on_ring_message(self, peer: str, message: Any) -> None:
+        member = self.members.get(message.group)
+        if member is None or member.id != message.receiver:
+            return
+        try:
+            ring_message = wire.from_proto(message)
+        except ValueError as error:
+            log.warning("dropping a malformed ring message from %s: %s", peer, error)
+            return
+        member.post(lambda core: core.on_message(ring_message))
+
+    def _on_reconnect(self, peer: str) -> None:
+        for member in self.members.values():
+            if member.neighbours is not None and member.neighbours.right_node == peer:
+                member.post(lambda core: core.resend_catchup())
+
+    async def _detect_failures(self) -> None:
+        settings = self.settings
+        while True:
+            await asyncio.sleep(settings.heartbeat_interval / 2)
+            suspects: set[tuple[str, str]] = set()
+            for member in list(self.members.values()):
+                neighbours = member.neighbours
+                if neighbours is None or member.stopped is not None:
+                    continue
+                for suspect, node in (
+                    (neighbours.left, neighbours.left_node),
+                    (neighbours.right, neighbours.right_node),
+                ):
+                    if node != self.id and self.links.silent_for(node) > settings.failure_timeout:
+                        suspects.add((member.id, suspect))
+            self._reported &= suspects
+            for member_id, suspect in suspects - self._reported:
+                self._reported.add((member_id, suspect))
+                task = asyncio.ensure_future(self._report_after_grace(member_id, suspect))
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
+
+    async def _report_after_grace(self, member_id: str, suspect: str) -> None:
+        await asyncio.sleep(self.settings.grace)
+        member = self.member_by_id(member_id)
+        if member is None or member.neighbours is None:
+            return
+        neighbours = member.neighbours
+        node = neighbours.left_node if suspect == neighbours.left else neighbours.right_node
+        if self.links.silent_for(node) > self.settings.failure_timeout:
+            log.info("member %s: neighbour %s on %s is down", member_id, suspect, node)
+            member.post(lambda core: core.on_neighbour_down(suspect))
+
+
+def _event_to_proto(event: MemberEvent) -> group_pb2.GroupEvent:
+    if isinstance(event, Deliver):
+        return group_pb2.GroupEvent(
+            delivery=group_pb2.Delivery(publisher=event.publisher, first_seq=event.first_seq, payloads=event.bodies)
+        )
+    if isinstance(event, MembersChanged):
+        return group_pb2.GroupEvent(
+            members_changed=group_pb2.MembersChanged(
+                births=event.births, deaths=event.deaths, view_version=event.view_version
+            )
+        )
+    assert isinstance(event, Joined)
+    raise AssertionError("Joined is built by the servicer, which knows the member id")
+
+
+class GroupServicer(group_pb2_grpc.GroupServiceServicer):
+    """GroupService: applications join groups as members hosted by this node."""
+
+    def __init__(self, node: Node) -> None:
+        self.node = node
+
+    async def Join(
+        self, request: group_pb2.JoinRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> AsyncIterator[group_pb2.GroupEvent]:
+        problem = group_name_problem(request.group)
+        if problem:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
+        if request.group in self.node.members:
+            await context.abort(
+                grpc.StatusCode.ALREADY_EXISTS, f"node {self.node.id} already hosts a member of {request.group}"
+            )
+        events: asyncio.Queue[MemberEvent] = asyncio.Queue()
+        member = await self._join(request.group, events, context)
+        try:
+            while True:
+                event = await events.get()
+                if isinstance(event, Stopped):
+                    if event.reason != "left":
+                        await context.abort(grpc.StatusCode.ABORTED, f"member {member.id} stopped: {event.reason}")
+                    return
+                if isinstance(event, Joined):
+                    yield group_pb2.GroupEvent(
+                        joined=group_pb2.Joined(
+                            member=member.id, members=event.members, view_version=event.view_version
+                        )
+                    )
+                else:
+                    yield _event_to_proto(event)
+        finally:
+            if member.stopped is None:
+                member.leave()
+                await asyncio.wait([asyncio.ensure_future(member.wait_stopped())], timeout=3.0)
+            self.node.forget(member)
+
+    async def _join(
+        self, group: str, events: asyncio.Queue[MemberEvent], context: grpc.aio.ServicerContext[Any, Any]
+    ) -> MemberShell:
+        for _ in range(JOIN_ATTEMPTS):
+            member = self.node.new_member(group, events.put_nowait)
+            joined = asyncio.ensure_future(member.joined.wait())
+            stopped = asyncio.ensure_future(member.wait_stopped())
+            await asyncio.wait({joined, stopped}, return_when=asyncio.FIRST_COMPLETED)
+            joined.cancel()
+            stopped.cancel()
+            if member.joined.is_set():
+                return member
+            self.node.forget(member)
+            while not events.empty():
+                events.get_nowait()  # the stopped attempt's events
+            if member.stopped is None or not member.stopped.rejoin:
+                reason = member.stopped.reason if member.stopped else "unknown"
+                await context.abort(grpc.StatusCode.UNAVAILABLE, f"could not join {group}: {reason}")
+        await context.abort(grpc.StatusCode.UNAVAILABLE, f"could not join {group} in {JOIN_ATTEMPTS} attempts")
+        raise AssertionError("unreachable")
+
+    async def Broadcast(
+        self, request: group_pb2.BroadcastRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> group_pb2.BroadcastResponse:
+        member = self.node.member_by_id(request.member)
+        if member is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"no member {request.member!r} on node {self.node.id}")
+        if not request.payloads:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "payloads must not be empty")
+        for index, payload in enumerate(request.payloads):
+            if len(payload) > MAX_PAYLOAD_BYTES:
+                await context.abort(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"payloads[{index}] has {len(payload)} bytes; at most {MAX_PAYLOAD_BYTES} are allowed",
+                )
+        try:
+            first, last = await member.broadcast(list(request.payloads), request.confirmed)
+        except NotJoined as error:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(error))
+        except ConnectionAbortedError as error:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(error))
+        return group_pb2.BroadcastResponse(first_seq=first, last_seq=last)
+
+    async def Leave(
+        self, request: group_pb2.LeaveRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> group_pb2.LeaveResponse:
+        member = self.node.member_by_id(request.member)
+        if member is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"no member {request.member!r} on node {self.node.id}")
+        member.leave()
+        await member.wait_stopped()
+        return group_pb2.LeaveResponse()
+
+
+class PeerServicer(peer_pb2_grpc.PeerServiceServicer):
+    """PeerService: what other broker nodes call."""
+
+    def __init__(self, node: Node) -> None:
+        self.node = node
+
+    # Driven by context.read()/write() rather than by iterators, unlike the generated base.
+    async def Link(self, request_iterator: Any, context: grpc.aio.ServicerContext[Any, Any]) -> None:  # type: ignore[override]
+        await self.node.links.accept(context)
+
+    async def AddOnRight(
+        self, request: peer_pb2.AddOnRightRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> peer_pb2.AddOnRightResponse:
+        member = self.node.members.get(request.group)
+        if member is None or member.id != request.left:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"{request.left!r} is not a member hosted on {self.node.id}")
+        if not request.newcomer or not request.newcomer_node:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "newcomer and newcomer_node must not be empty")
+        group = await member.add_on_right(request.newcomer, request.newcomer_node)
+        if group is None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"{request.left} is not ready to add members")
+        return peer_pb2.AddOnRightResponse(group=group_to_proto(group))
+
+
+# ---------------------------------------------------------------------- main
+
+
+async def serve(node_id: str, listen: str, coordinator: str, settings: NodeSettings, ready_file: str | None) -> None:
+    """Run a node until SIGTERM or SIGINT."""
+    server = grpc.aio.server(options=CHANNEL_OPTIONS)
+    port = server.add_insecure_port(listen)
+    if port == 0:
+        raise OSError(f"cannot listen on {listen}")
+    host = listen.rsplit(":", 1)[0]
+    address = f"{host}:{port}"
+    node = Node(node_id, address, CoordinatorClient(coordinator), settings)
+    group_pb2_grpc.add_GroupServiceServicer_to_server(GroupServicer(node), server)
+    peer_pb2_grpc.add_PeerServiceServicer_to_server(PeerServicer(node), server)
+    await server.start()
+    await node.start()
+    if ready_file:
+        tmp = f"{ready_file}.tmp"
+        Path(tmp).write_text(address)
+        os.replace(tmp, ready_file)
+    log.info("node %s serving on %s", node_id, address)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await node.stop()
+    await server.stop(grace=1.0)
+
+
+def _address(value: str) -> str:
+    host, sep, port = value.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise argparse.ArgumentTypeError(f"expected HOST:PORT, got {value!r}")
+    return value
+
+
+def _node_id(value: str) -> str:
+    if not _NODE_ID.fullmatch(value):
+        raise argparse.ArgumentTypeError(f"node ids are 1 to 64 of [A-Za-z0-9._-], got {value!r}")
+    return value
+
+
+def _millis(value: str) -> float:
+    try:
+        millis = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected milliseconds, got {value!r}") from None
+    if not 0 < millis <= 600_000:
+        raise argparse.ArgumentTypeError(f"expected 0 < milliseconds <= 600000, got {value}")
+    return millis / 1000.0
+
+
+def parser() -> argparse.ArgumentParser:
+    defaults = NodeSettings()
+    out = argparse.ArgumentParser(prog="ringq node", description="Run a ringq broker node.")
+    out.add_argument("--id", required=True, type=_node_id, help="this node's id, unique in the cluster")
+    out.add_argument("--listen", default="127.0.0.1:7100", type=_address, help="HOST:PORT to serve on (port 0: any)")
+    out.add_argument("--coordinator", required=True, type=_address, help="the coordinator's HOST:PORT")
+    out.add_argument("--ready-file", help="write the bound HOST:PORT here once serving")
+    out.add_argument("--flush-interval-ms", type=_millis, default=str(defaults.flush_interval * 1000))
+    out.add_argument("--heartbeat-interval-ms", type=_millis, default=str(defaults.heartbeat_interval * 1000))
+    out.add_argument("--failure-timeout-ms", type=_millis, default=str(defaults.failure_timeout * 1000))
+    out.add_argument("--grace-ms", type=_millis, default=str(defaults.grace * 1000))
+    out.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    settings = NodeSettings(
+        flush_interval=args.flush_interval_ms,
+        heartbeat_interval=args.heartbeat_interval_ms,
+        failure_timeout=args.failure_timeout_ms,
+        grace=args.grace_ms,
+    )
+    try:
+        asyncio.run(serve(args.id, args.listen, args.coordinator, settings, args.ready_file))
+    except OSError as error:
+        print(f"ringq node: {error}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
