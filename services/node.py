@@ -265,7 +265,10 @@ class GroupServicer(group_pb2_grpc.GroupServiceServicer):
                 if isinstance(event, Joined):
                     yield group_pb2.GroupEvent(
                         joined=group_pb2.Joined(
-                            member=member.id, members=event.members, view_version=event.view_version
+                            member=member.id,
+                            members=event.members,
+                            view_version=event.view_version,
+                            start_after=dict(event.start_after),
                         )
                     )
                 else:

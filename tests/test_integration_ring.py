@@ -1,0 +1,157 @@
+"""Integration: a GM ring of real node processes on loopback, through a kill and a join.
+
+Two members (on node1 and node2) broadcast 100,000 messages between them with
+confirms while node3, hosting a third member, is killed with SIGKILL, and a
+fourth member joins on a node started half way. Checked: every survivor
+delivers each publisher's messages consecutively, with exactly the body the
+publisher was told had that sequence number (identical sequences, no holes,
+no duplicates); the joiner delivers everything published after its join; the
+survivors are told of the killed member's death.
+
+`RINGQ_INTEGRATION_RUNS=10 pytest tests/test_integration_ring.py` repeats it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from ringq.group import GroupMembership
+from services import cluster
+
+pytestmark = pytest.mark.integration
+
+NODE_ARGS = ["--failure-timeout-ms", "600", "--heartbeat-interval-ms", "100", "--grace-ms", "100"]
+TOTAL_PER_PUBLISHER = 50_000
+BATCH = 250
+WINDOW = 4
+RUNS = int(os.environ.get("RINGQ_INTEGRATION_RUNS", "1"))
+
+
+class Recorder:
+    """One member's deliveries, checked as they arrive."""
+
+    def __init__(self, membership: GroupMembership) -> None:
+        self.membership = membership
+        self.start_after = dict(membership.joined.start_after)
+        self.last: dict[str, int] = dict(self.start_after)
+        self.bodies: dict[str, list[bytes]] = {}
+        self.deaths: set[str] = set()
+        self.errors: list[str] = []
+
+    async def run(self) -> None:
+        async for event in self.membership.events():
+            kind = event.WhichOneof("kind")
+            if kind == "delivery":
+                delivery = event.delivery
+                publisher = delivery.publisher
+                expected = self.last.get(publisher, 0) + 1
+                if delivery.first_seq != expected:
+                    self.errors.append(f"{publisher}#{delivery.first_seq} delivered, expected #{expected}")
+                self.bodies.setdefault(publisher, []).extend(delivery.payloads)
+                self.last[publisher] = delivery.first_seq + len(delivery.payloads) - 1
+            elif kind == "members_changed":
+                self.deaths.update(event.members_changed.deaths)
+
+
+class Publisher:
+    """Broadcasts numbered bodies with confirms, `WINDOW` batches in flight."""
+
+    def __init__(self, membership: GroupMembership) -> None:
+        self.membership = membership
+        self.started = 0  # bodies whose broadcast request has been sent
+        self.confirmed = 0
+        self.by_seq: dict[int, bytes] = {}
+
+    async def run(self, total: int) -> None:
+        window = asyncio.Semaphore(WINDOW)
+        tasks = []
+        for start in range(0, total, BATCH):
+            await window.acquire()
+            bodies = [f"{self.membership.member_id}/{start + k}".encode().ljust(256, b".") for k in range(BATCH)]
+            self.started += len(bodies)
+            task = asyncio.ensure_future(self._send(bodies))
+            task.add_done_callback(lambda _: window.release())
+            tasks.append(task)
+        await asyncio.gather(*tasks)
+
+    async def _send(self, bodies: list[bytes]) -> None:
+        first, last = await self.membership.broadcast(bodies, confirmed=True)
+        assert last - first + 1 == len(bodies)
+        for offset, body in enumerate(bodies):
+            self.by_seq[first + offset] = body
+        self.confirmed += len(bodies)
+
+
+async def _wait_for(condition: object, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():  # type: ignore[operator]
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.05)
+
+
+async def _scenario(directory: Path) -> dict[str, float]:
+    info = cluster.up(3, directory, node_args=NODE_ARGS)
+    addresses = {node.name: node.address for node in info.nodes}
+    a = await GroupMembership.join(addresses["node1"], "ring-it")
+    b = await GroupMembership.join(addresses["node2"], "ring-it")
+    c = await GroupMembership.join(addresses["node3"], "ring-it")
+    recorders = {m.member_id: Recorder(m) for m in (a, b, c)}
+    readers = [asyncio.ensure_future(r.run()) for r in recorders.values()]
+    publishers = [Publisher(a), Publisher(b)]
+    started = time.monotonic()
+    publishing = asyncio.ensure_future(asyncio.gather(*(p.run(TOTAL_PER_PUBLISHER) for p in publishers)))
+
+    total = 2 * TOTAL_PER_PUBLISHER
+    await _wait_for(lambda: sum(p.confirmed for p in publishers) >= total * 0.3, 60, "30% confirmed")
+    cluster.kill(directory, "node3", signal.SIGKILL)
+    killed_at = time.monotonic()
+    await _wait_for(lambda: sum(p.confirmed for p in publishers) >= total * 0.5, 60, "50% confirmed")
+    node4 = cluster.start_node(directory, "node4")
+    d = await GroupMembership.join(node4.address, "ring-it")
+    started_before_join = {p.membership.member_id: p.started for p in publishers}
+    recorders[d.member_id] = Recorder(d)
+    readers.append(asyncio.ensure_future(recorders[d.member_id].run()))
+
+    await asyncio.wait_for(publishing, 120)
+    elapsed = time.monotonic() - started
+    survivors = [recorders[m.member_id] for m in (a, b, d)]
+    for publisher in publishers:
+        member = publisher.membership.member_id
+        await _wait_for(
+            lambda: all(r.last.get(member, 0) >= TOTAL_PER_PUBLISHER for r in survivors), 30, "survivors to deliver"
+        )
+    await _wait_for(lambda: all(c.member_id in r.deaths for r in survivors[:2]), 30, "the death to be reported")
+
+    for recorder in recorders.values():
+        assert not recorder.errors, recorder.errors[:5]
+    for publisher in publishers:
+        member = publisher.membership.member_id
+        assert len(publisher.by_seq) == TOTAL_PER_PUBLISHER
+        expected = [publisher.by_seq[seq] for seq in range(1, TOTAL_PER_PUBLISHER + 1)]
+        for recorder in survivors:
+            first = recorder.start_after.get(member, 0) + 1
+            assert recorder.bodies.get(member, []) == expected[first - 1 :], f"{member} as delivered by a survivor"
+        joiner = recorders[d.member_id]
+        assert joiner.start_after.get(member, 0) <= started_before_join[member], "joiner missed messages after join"
+    for member in (a, b, d):
+        await member.close()
+    for reader in readers:
+        reader.cancel()
+    return {"elapsed": elapsed, "killed_after": killed_at - started}
+
+
+@pytest.mark.parametrize("run", range(RUNS))
+def test_broadcast_through_a_kill_and_a_join(tmp_path: Path, run: int) -> None:
+    directory = tmp_path / f"cluster{run}"
+    try:
+        figures = asyncio.run(asyncio.wait_for(_scenario(directory), 240))
+        print(f"run {run}: 100,000 messages in {figures['elapsed']:.1f}s")
+    finally:
+        cluster.down(directory)
