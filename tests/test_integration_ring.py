@@ -17,6 +17,7 @@ import asyncio
 import os
 import signal
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -88,9 +89,9 @@ class Publisher:
         self.confirmed += len(bodies)
 
 
-async def _wait_for(condition: object, timeout: float, what: str) -> None:
+async def _wait_for(condition: Callable[[], bool], timeout: float, what: str) -> None:
     deadline = time.monotonic() + timeout
-    while not condition():  # type: ignore[operator]
+    while not condition():
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting for {what}")
         await asyncio.sleep(0.05)
@@ -122,11 +123,12 @@ async def _scenario(directory: Path) -> dict[str, float]:
     await asyncio.wait_for(publishing, 120)
     elapsed = time.monotonic() - started
     survivors = [recorders[m.member_id] for m in (a, b, d)]
+
+    def delivered_all(member: str) -> Callable[[], bool]:
+        return lambda: all(r.last.get(member, 0) >= TOTAL_PER_PUBLISHER for r in survivors)
+
     for publisher in publishers:
-        member = publisher.membership.member_id
-        await _wait_for(
-            lambda: all(r.last.get(member, 0) >= TOTAL_PER_PUBLISHER for r in survivors), 30, "survivors to deliver"
-        )
+        await _wait_for(delivered_all(publisher.membership.member_id), 30, "survivors to deliver")
     await _wait_for(lambda: all(c.member_id in r.deaths for r in survivors[:2]), 30, "the death to be reported")
 
     for recorder in recorders.values():
@@ -140,8 +142,8 @@ async def _scenario(directory: Path) -> dict[str, float]:
             assert recorder.bodies.get(member, []) == expected[first - 1 :], f"{member} as delivered by a survivor"
         joiner = recorders[d.member_id]
         assert joiner.start_after.get(member, 0) <= started_before_join[member], "joiner missed messages after join"
-    for member in (a, b, d):
-        await member.close()
+    for membership in (a, b, d):
+        await membership.close()
     for reader in readers:
         reader.cancel()
     return {"elapsed": elapsed, "killed_after": killed_at - started}

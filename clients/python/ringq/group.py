@@ -46,10 +46,10 @@ class GroupMembership:
             first: Any = await asyncio.wait_for(call.read(), timeout)
         except BaseException:
             call.cancel()
-            await channel.close()
+            await channel.close(None)
             raise
         if first is grpc.aio.EOF or first.WhichOneof("kind") != "joined":  # type: ignore[attr-defined]
-            await channel.close()
+            await channel.close(None)
             raise ConnectionError(f"joining {group} at {address} did not start with Joined")
         return cls(channel, call, first.joined)
 
@@ -77,4 +77,4 @@ class GroupMembership:
     async def close(self) -> None:
         """Drop the connection (the node makes the member leave)."""
         self._call.cancel()
-        await self._channel.close()
+        await self._channel.close(None)
