@@ -225,7 +225,9 @@ def kill(directory: Path | str, name: str, sig: int = signal.SIGKILL, *, timeout
             return False
         _signal(process, sig)
         if sig in (signal.SIGKILL, signal.SIGTERM, signal.SIGINT) and not _wait_gone([process], timeout):
-            raise ClusterError(f"{name} (pid {process.pid}) did not exit within {timeout:g} s of signal {sig}")
+            raise ClusterError(
+                f"{name} (pid {process.pid}) did not exit within {timeout:g} s of {signal.Signals(sig).name}"
+            )
     return True
 
 
@@ -539,6 +541,17 @@ def _process_json(process: ProcessInfo) -> dict[str, Any]:
     }
 
 
+def _process_from_json(entry: dict[str, Any], name: str) -> ProcessInfo:
+    ticks = entry.get("start_ticks")
+    return ProcessInfo(
+        name=str(name),
+        pid=int(entry["pid"]),
+        address=str(entry["address"]),
+        log=Path(entry["log"]),
+        start_ticks=None if ticks is None else int(ticks),
+    )
+
+
 def _write_record(info: ClusterInfo) -> None:
     record = {
         "coordinator": _process_json(info.coordinator),
@@ -562,21 +575,10 @@ def _read_record(directory: Path) -> ClusterInfo | None:
     except (OSError, ValueError) as exc:
         raise ClusterError(f"cannot read {path}: {exc}") from exc
     try:
-
-        def process(entry: dict[str, Any], name: str) -> ProcessInfo:
-            ticks = entry.get("start_ticks")
-            return ProcessInfo(
-                name=str(name),
-                pid=int(entry["pid"]),
-                address=str(entry["address"]),
-                log=Path(entry["log"]),
-                start_ticks=None if ticks is None else int(ticks),
-            )
-
         return ClusterInfo(
             directory=directory,
-            coordinator=process(record["coordinator"], COORDINATOR),
-            nodes=tuple(process(entry, entry["id"]) for entry in record["nodes"]),
+            coordinator=_process_from_json(record["coordinator"], COORDINATOR),
+            nodes=tuple(_process_from_json(entry, entry["id"]) for entry in record["nodes"]),
             started_at=str(record["started_at"]),
             node_command=tuple(str(arg) for arg in record.get("node_command", NODE_COMMAND)),
             node_args=tuple(str(arg) for arg in record.get("node_args", ())),

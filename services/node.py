@@ -130,6 +130,9 @@ class Node:
     def send_ring_message(self, node: str, message: RingMessage) -> None:
         self.links.send(node, wire.to_proto(message))
 
+    def link_idle(self, node: str) -> bool:
+        return self.links.is_idle(node)
+
     async def add_on_right(self, group: str, left: str, node: str, newcomer: str) -> Group | None:
         deadline = time.monotonic() + self.settings.failure_timeout
         request = peer_pb2.AddOnRightRequest(group=group, left=left, newcomer=newcomer, newcomer_node=self.id)

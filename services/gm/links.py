@@ -123,6 +123,11 @@ class LinkManager:
             return 0.0
         return self.clock() - link.last_heard
 
+    def is_idle(self, peer: str) -> bool:
+        """True if nothing is waiting to be sent to `peer` (so a flush now adds no queueing)."""
+        link = self._links.get(peer)
+        return link is None or link.outbox.empty()
+
     def is_connected(self, peer: str) -> bool:
         link = self._links.get(peer)
         return link is not None and link.active
@@ -258,12 +263,17 @@ class LinkManager:
 
     async def _write_loop(self, link: _Link, write: Callable[[peer_pb2.PeerFrame], Awaitable[None]]) -> None:
         outbox = link.outbox
+        carried: peer_pb2.PeerFrame | None = None
         while True:
-            try:
-                item = await asyncio.wait_for(outbox.get(), timeout=self.heartbeat_interval)
-            except TimeoutError:
-                await write(frame(heartbeat=peer_pb2.Heartbeat(sent_at_unix_ms=int(time.time() * 1000))))
-                continue
+            if carried is not None:
+                item, carried = carried, None
+            else:
+                try:
+                    item = await asyncio.wait_for(outbox.get(), timeout=self.heartbeat_interval)
+                except TimeoutError:
+                    await write(frame(heartbeat=peer_pb2.Heartbeat(sent_at_unix_ms=int(time.time() * 1000))))
+                    continue
+            carried = _coalesce(item, outbox)
             if item.ring_message.ByteSize() > MAX_FRAGMENT_BYTES:
                 data = item.ring_message.SerializeToString()
                 message_id = link.next_message_id
@@ -299,3 +309,32 @@ class LinkManager:
                         log.warning("dropping an unreadable message from %s: %s", link.peer, error)
                         continue
                     self.on_ring_message(link.peer, message)
+
+
+def _coalesce(item: peer_pb2.PeerFrame, outbox: asyncio.Queue[peer_pb2.PeerFrame]) -> peer_pb2.PeerFrame | None:
+    """Merge into `item` the Activity frames queued right behind it for the same ring.
+
+    Consecutive activities from one sender to one receiver at one view version
+    mean the same as one activity listing all their entries in order, so a
+    busy link sends fewer, larger frames (batching under load, none when
+    idle). Returns the first queued frame that could not be merged, if any.
+    """
+    if item.WhichOneof("kind") != "ring_message" or item.ring_message.WhichOneof("body") != "activity":
+        return None
+    head = item.ring_message
+    size = head.ByteSize()
+    while size < MAX_FRAGMENT_BYTES and not outbox.empty():
+        queued = outbox.get_nowait()
+        message = queued.ring_message
+        if (
+            queued.WhichOneof("kind") != "ring_message"
+            or message.WhichOneof("body") != "activity"
+            or (message.group, message.sender, message.receiver, message.view_version)
+            != (head.group, head.sender, head.receiver, head.view_version)
+            or message.trace_context
+            or head.trace_context
+        ):
+            return queued
+        head.activity.publishers.extend(message.activity.publishers)
+        size += message.ByteSize()
+    return None

@@ -54,6 +54,8 @@ class MemberHost(Protocol):
 
     def send_ring_message(self, node: str, message: RingMessage) -> None: ...
 
+    def link_idle(self, node: str) -> bool: ...
+
     async def add_on_right(self, group: str, left: str, node: str, newcomer: str) -> Group | None: ...
 
     def neighbours_changed(self) -> None: ...
@@ -192,7 +194,14 @@ class MemberShell:
         elif isinstance(action, StartFlushTimer):
             if not self._flush_armed:
                 self._flush_armed = True
-                asyncio.get_running_loop().call_later(self.host.flush_interval, self._flush_due)
+                # An idle link to the right gains nothing from waiting: flush as
+                # soon as this input is done. A busy one batches for the interval.
+                idle = self.neighbours is not None and self.host.link_idle(self.neighbours.right_node)
+                loop = asyncio.get_running_loop()
+                if idle:
+                    loop.call_soon(self._flush_due)
+                else:
+                    loop.call_later(self.host.flush_interval, self._flush_due)
         elif isinstance(action, ChooseLeft):
             return core.join_via(random.choice(action.candidates))
         elif isinstance(action, RequestAddOnRight):

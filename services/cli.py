@@ -1,0 +1,218 @@
+"""The `ringq` command: run a coordinator or a node in the foreground, or manage a local cluster.
+
+    ringq coordinator [--listen HOST:PORT] [--db PATH] [--ready-file PATH]
+    ringq node --id ID --coordinator HOST:PORT [--listen HOST:PORT] [--ready-file PATH] [timing flags]
+    ringq cluster up --nodes N --dir DIR [--base-port P] [--timeout S]
+    ringq cluster status --dir DIR
+    ringq cluster down --dir DIR [--timeout S]
+
+Bad usage exits 2 with one line on stderr (`ringq: error: ...`); a cluster operation that fails exits 1
+with one line (`ringq: ...`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, NoReturn, cast
+
+from services import cluster
+
+_Handler = Callable[[argparse.Namespace], int]
+
+
+class _Parser(argparse.ArgumentParser):
+    """An ArgumentParser whose usage errors are one line, `ringq: error: ...`, exit 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"ringq: error: {' '.join(message.split())}\n")
+
+
+class _UsageError(Exception):
+    """A problem with the arguments found after parsing; reported like an argparse error."""
+
+
+def _address(text: str) -> str:
+    problem = cluster.address_problem(text)
+    if problem is not None:
+        raise argparse.ArgumentTypeError(problem)
+    return text
+
+
+def _port(text: str) -> int:
+    if not text.isascii() or not text.isdigit() or int(text) > 65535:
+        raise argparse.ArgumentTypeError(f"expected a port between 0 and 65535, got {text!r}")
+    return int(text)
+
+
+def _node_count(text: str) -> int:
+    try:
+        count = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of nodes, got {text!r}") from None
+    if not 1 <= count <= cluster.MAX_NODES:
+        raise argparse.ArgumentTypeError(f"must be between 1 and {cluster.MAX_NODES}, got {count}")
+    return count
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {text!r}")
+    return value
+
+
+def _node_id(text: str) -> str:
+    if not text or any(c.isspace() for c in text):
+        raise argparse.ArgumentTypeError(f"expected a node id without spaces, got {text!r}")
+    return text
+
+
+# ---------------------------------------------------------------------------------------------- handlers
+
+
+def _run_coordinator(args: argparse.Namespace) -> int:
+    from services.coordinator.__main__ import main as coordinator_main
+
+    argv = ["--listen", args.listen, "--db", args.db]
+    if args.ready_file is not None:
+        argv += ["--ready-file", args.ready_file]
+    coordinator_main(argv)
+    return 0
+
+
+_NODE_FLAGS = (
+    "listen",
+    "coordinator",
+    "ready_file",
+    "flush_interval_ms",
+    "heartbeat_interval_ms",
+    "failure_timeout_ms",
+)
+
+
+def _run_node(args: argparse.Namespace) -> int:
+    argv = ["--id", args.id]
+    for field in _NODE_FLAGS:
+        value = getattr(args, field)
+        if value is not None:
+            argv += [f"--{field.replace('_', '-')}", str(value)]
+    try:
+        module = importlib.import_module("services.node")
+    except ModuleNotFoundError as exc:
+        if exc.name not in ("services.node", "services"):
+            raise
+        raise cluster.ClusterError("the broker node (services.node) is not available in this installation") from exc
+    node_main = cast(Callable[[list[str] | None], int | None], module.main)
+    return node_main(argv) or 0
+
+
+def _cluster_up(args: argparse.Namespace) -> int:
+    if args.base_port and args.base_port + args.nodes > 65535:
+        raise _UsageError(f"--base-port {args.base_port} leaves no room for {args.nodes} nodes below port 65536")
+    info = cluster.up(args.nodes, args.dir, base_port=args.base_port, timeout=args.timeout)
+    width = max(len(p.name) for p in info.processes)
+    for process in info.processes:
+        print(f"{process.name:<{width}}  pid {process.pid:<7}  {process.address}")
+    print(f"logs: {info.logs}")
+    return 0
+
+
+def _cluster_status(args: argparse.Namespace) -> int:
+    rows = [("NAME", "PID", "ADDRESS", "ALIVE")]
+    rows += [(p.name, str(p.pid), p.address, "yes" if alive else "no") for p, alive in cluster.status(args.dir)]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    for row in rows:
+        print("  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip())
+    return 0
+
+
+def _cluster_down(args: argparse.Namespace) -> int:
+    stopped = cluster.down(args.dir, timeout=args.timeout)
+    print(f"stopped {', '.join(stopped)}" if stopped else f"nothing running in {args.dir.resolve()}")
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------- parser
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The `ringq` argument parser; each leaf command sets `handler`."""
+    parser = _Parser(prog="ringq", description="ringq: a strictly ordered message broker.", allow_abbrev=False)
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def command(group: Any, name: str, help_text: str, handler: _Handler | None) -> argparse.ArgumentParser:
+        sub = cast(argparse.ArgumentParser, group.add_parser(name, help=help_text, allow_abbrev=False))
+        if handler is not None:
+            sub.set_defaults(handler=handler)
+        return sub
+
+    coordinator = command(commands, "coordinator", "run the coordinator in the foreground", _run_coordinator)
+    coordinator.add_argument("--listen", type=_address, default="127.0.0.1:7000", help="HOST:PORT (port 0: any)")
+    coordinator.add_argument("--db", default="coordinator.db", help="SQLite file (created if absent)")
+    coordinator.add_argument("--ready-file", help="write the bound HOST:PORT here once listening")
+
+    node = command(commands, "node", "run a broker node in the foreground", _run_node)
+    node.add_argument("--id", required=True, type=_node_id, help="this node's id")
+    node.add_argument("--listen", type=_address, default="127.0.0.1:7001", help="HOST:PORT (port 0: any)")
+    node.add_argument("--coordinator", required=True, type=_address, help="the coordinator's HOST:PORT")
+    node.add_argument("--ready-file", help="write the bound HOST:PORT here once serving")
+    node.add_argument("--flush-interval-ms", type=_positive_int, metavar="N")
+    node.add_argument("--heartbeat-interval-ms", type=_positive_int, metavar="N")
+    node.add_argument("--failure-timeout-ms", type=_positive_int, metavar="N")
+
+    local = command(commands, "cluster", "start, inspect or stop a local cluster on 127.0.0.1", None)
+    actions = local.add_subparsers(dest="action", required=True, metavar="ACTION")
+    start = command(actions, "up", "start a coordinator and N nodes", _cluster_up)
+    start.add_argument("--nodes", required=True, type=_node_count, metavar="N", help=f"1..{cluster.MAX_NODES}")
+    start.add_argument(
+        "--base-port", type=_port, default=0, metavar="P", help="coordinator on P, node k on P+k (0: any free)"
+    )
+    start.add_argument(
+        "--timeout", type=_seconds, default=20.0, metavar="S", help="seconds to wait for every process to be ready"
+    )
+    stop = command(actions, "down", "stop the cluster (SIGTERM, then SIGKILL)", _cluster_down)
+    stop.add_argument("--timeout", type=_seconds, default=10.0, metavar="S", help="seconds to wait before SIGKILL")
+    show = command(actions, "status", "show each process and whether it is alive", _cluster_status)
+    for sub in (start, stop, show):
+        sub.add_argument("--dir", required=True, type=Path, metavar="DIR", help="the cluster's directory")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run `ringq` with `argv` (default: sys.argv[1:]); returns the exit code."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    handler = cast(_Handler, args.handler)
+    try:
+        return handler(args)
+    except _UsageError as exc:
+        parser.error(str(exc))
+    except cluster.ClusterError as exc:
+        print(f"ringq: {exc.message}", file=sys.stderr)
+        return 1
+    except OSError as exc:
+        print(f"ringq: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,437 @@
+"""The `ringq` command and services.cluster, against real processes on 127.0.0.1.
+
+The coordinator is the real one; nodes are a stand-in script (written to tmp_path) that honours the
+node's command-line contract: it binds --listen, checks the --coordinator is reachable, writes its
+bound HOST:PORT to --ready-file atomically, then waits for SIGTERM. Every test directory is checked
+afterwards for leftover processes (any live process whose command line mentions it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+import types
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from services import cli, cluster
+from services.coordinator.client import CoordinatorClient
+
+REPO = Path(__file__).resolve().parents[1]
+
+pytestmark = pytest.mark.integration
+
+STAND_IN = r'''
+"""Stand-in broker node: honours the flags of `python -m services.node`."""
+import argparse, os, signal, socket, sys
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--id", required=True)
+parser.add_argument("--listen", required=True)
+parser.add_argument("--coordinator", required=True)
+parser.add_argument("--ready-file", required=True)
+parser.add_argument("--flush-interval-ms", type=int)
+parser.add_argument("--heartbeat-interval-ms", type=int)
+parser.add_argument("--failure-timeout-ms", type=int)
+parser.add_argument("--fail", action="store_true", help="exit 3 at once")
+parser.add_argument("--never-ready", action="store_true", help="never write the ready file")
+parser.add_argument("--ignore-sigterm", action="store_true", help="only SIGKILL stops it")
+args = parser.parse_args()
+print(f"stand-in {args.id} pid {os.getpid()} argv {sys.argv[1:]}", flush=True)
+if args.fail:
+    print(f"stand-in {args.id}: failing on purpose", file=sys.stderr, flush=True)
+    sys.exit(3)
+signal.signal(signal.SIGTERM, signal.SIG_IGN if args.ignore_sigterm else lambda *_: sys.exit(0))
+host, port = args.coordinator.rsplit(":", 1)
+socket.create_connection((host, int(port)), timeout=5).close()
+host, port = args.listen.rsplit(":", 1)
+server = socket.create_server((host, int(port)))
+if not args.never_ready:
+    tmp = args.ready_file + ".tmp"
+    with open(tmp, "w") as f:
+        f.write(f"{host}:{server.getsockname()[1]}")
+    os.replace(tmp, args.ready_file)
+while True:
+    signal.pause()
+'''
+
+# Runs the CLI with services.cluster.NODE_COMMAND replaced (the CLI itself does not expose it):
+#   python driver.py NODE_COMMAND... -- RINGQ_ARGS...
+DRIVER = """
+import sys
+from services import cli, cluster
+split = sys.argv.index("--")
+cluster.NODE_COMMAND = tuple(sys.argv[1:split])
+sys.exit(cli.main(sys.argv[split + 1 :]))
+"""
+
+PROCESS_LINE = re.compile(r"(?P<name>\S+)\s+pid (?P<pid>\d+)\s+(?P<address>127\.0\.0\.1:\d+)")
+
+
+def running(pid: int) -> bool:
+    """Whether `pid` is a live (not zombie) process."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return stat[stat.rindex(")") + 2] not in "ZX"
+
+
+def processes_mentioning(text: str) -> list[int]:
+    """Live processes whose command line contains `text`."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if text in cmdline and running(int(entry.name)):
+            found.append(int(entry.name))
+    return found
+
+
+def wait_until(check: Callable[[], bool], seconds: float = 10.0) -> None:
+    deadline = time.monotonic() + seconds
+    while not check():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
+
+
+@pytest.fixture
+def stand_in(tmp_path: Path) -> list[str]:
+    """The node command that runs the stand-in (python SCRIPT); the CLI driver is written beside it."""
+    script = tmp_path / "stand_in_node.py"
+    script.write_text(STAND_IN)
+    script.with_name("driver.py").write_text(DRIVER)
+    return [sys.executable, str(script)]
+
+
+@pytest.fixture
+def cluster_dir(tmp_path: Path) -> Iterator[Path]:
+    """A cluster directory that is brought down, and checked for leftover processes, after the test."""
+    directory = tmp_path / "cluster"
+    try:
+        yield directory
+    finally:
+        with contextlib.suppress(cluster.ClusterError):
+            cluster.down(directory)
+        leftovers = processes_mentioning(str(tmp_path))
+        for pid in leftovers:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        assert not leftovers, f"processes left running: {leftovers}"
+
+
+def ringq(*args: str, node_command: list[str] | None = None) -> subprocess.CompletedProcess[str]:
+    """Run `ringq ARGS` as a process; with `node_command`, clusters' nodes run that instead of services.node."""
+    if node_command is None:
+        command = [sys.executable, "-m", "services.cli", *args]
+    else:
+        driver = Path(node_command[1]).with_name("driver.py")  # written by the stand_in fixture
+        assert driver.is_file()
+        command = [sys.executable, str(driver), *node_command, "--", *args]
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+
+
+def one_line_error(result: subprocess.CompletedProcess[str]) -> str:
+    assert "Traceback" not in result.stderr
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1, result.stderr
+    return lines[0]
+
+
+# ---------------------------------------------------------------------------------------------- the CLI
+
+
+def test_cluster_up_status_down(cluster_dir: Path, stand_in: list[str]) -> None:
+    result = ringq("cluster", "up", "--nodes", "2", "--dir", str(cluster_dir), node_command=stand_in)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    processes = {m["name"]: (int(m["pid"]), m["address"]) for m in map(PROCESS_LINE.fullmatch, lines[:-1]) if m}
+    assert list(processes) == ["coordinator", "node1", "node2"], result.stdout
+    assert lines[-1] == f"logs: {cluster_dir.resolve() / 'logs'}"
+    assert len({address for _, address in processes.values()}) == 3
+    assert all(running(pid) for pid, _ in processes.values())  # detached: they outlive `ringq cluster up`
+
+    record = json.loads((cluster_dir / "cluster.json").read_text())
+    assert record["coordinator"]["pid"] == processes["coordinator"][0]
+    assert record["coordinator"]["address"] == processes["coordinator"][1]
+    assert [(n["id"], n["pid"], n["address"]) for n in record["nodes"]] == [
+        (name, *processes[name]) for name in ("node1", "node2")
+    ]
+    assert record["started_at"]
+    for name in processes:
+        assert (cluster_dir / "logs" / f"{name}.log").is_file()
+    assert f"stand-in node1 pid {processes['node1'][0]}" in (cluster_dir / "logs" / "node1.log").read_text()
+
+    result = ringq("cluster", "status", "--dir", str(cluster_dir))
+    assert result.returncode == 0, result.stderr
+    rows = [line.split() for line in result.stdout.splitlines()]
+    assert rows[0] == ["NAME", "PID", "ADDRESS", "ALIVE"]
+    assert rows[1:] == [[name, str(pid), address, "yes"] for name, (pid, address) in processes.items()]
+
+    result = ringq("cluster", "down", "--dir", str(cluster_dir))
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "stopped node1, node2, coordinator"
+    assert not any(running(pid) for pid, _ in processes.values())
+    assert not (cluster_dir / "cluster.json").exists()
+
+    result = ringq("cluster", "down", "--dir", str(cluster_dir))  # idempotent
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("nothing running in ")
+
+    result = ringq("cluster", "status", "--dir", str(cluster_dir))
+    assert result.returncode == 1
+    assert one_line_error(result) == f"ringq: no cluster recorded in {cluster_dir.resolve()}"
+
+
+def test_up_twice_into_a_live_directory_is_refused(cluster_dir: Path, stand_in: list[str]) -> None:
+    first = ringq("cluster", "up", "--nodes", "1", "--dir", str(cluster_dir), node_command=stand_in)
+    assert first.returncode == 0, first.stderr
+    record = (cluster_dir / "cluster.json").read_text()
+
+    second = ringq("cluster", "up", "--nodes", "1", "--dir", str(cluster_dir), node_command=stand_in)
+    assert second.returncode == 1
+    assert one_line_error(second).startswith(f"ringq: a cluster is already running in {cluster_dir.resolve()}")
+    assert second.stdout == ""
+    assert (cluster_dir / "cluster.json").read_text() == record
+    assert all(alive for _, alive in cluster.status(cluster_dir))
+
+    # Once its processes are dead, the directory can be reused even though the record is still there.
+    for name in ("node1", "coordinator"):
+        assert cluster.kill(cluster_dir, name)
+    third = ringq("cluster", "up", "--nodes", "1", "--dir", str(cluster_dir), node_command=stand_in)
+    assert third.returncode == 0, third.stderr
+
+
+def test_a_node_that_fails_to_start_is_one_line_and_leaves_nothing_running(
+    cluster_dir: Path, stand_in: list[str]
+) -> None:
+    result = ringq("cluster", "up", "--nodes", "2", "--dir", str(cluster_dir), node_command=[*stand_in, "--fail"])
+    assert result.returncode == 1
+    line = one_line_error(result)
+    assert re.fullmatch(r"ringq: node[12] exited \(exit code 3\) before it was ready: .*failing on purpose .*", line)
+    assert str(cluster_dir.resolve() / "logs") in line
+    assert not (cluster_dir / "cluster.json").exists()
+    assert processes_mentioning(str(cluster_dir)) == []  # the coordinator was stopped too
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        ([], "the following arguments are required: COMMAND"),
+        (["frobnicate"], "argument COMMAND: invalid choice: 'frobnicate'"),
+        (["cluster"], "the following arguments are required: ACTION"),
+        (["cluster", "up", "--nodes", "0", "--dir", "D"], "argument --nodes: must be between 1 and 16, got 0"),
+        (["cluster", "up", "--nodes", "17", "--dir", "D"], "argument --nodes: must be between 1 and 16, got 17"),
+        (["cluster", "up", "--nodes", "two", "--dir", "D"], "argument --nodes: expected a number of nodes"),
+        (["cluster", "up", "--nodes", "2"], "the following arguments are required: --dir"),
+        (["cluster", "up", "--nodes", "2", "--dir", "D", "--bogus"], "unrecognized arguments: --bogus"),
+        (["cluster", "up", "--nodes", "2", "--dir", "D", "--base-port", "70000"], "argument --base-port: expected"),
+        (["cluster", "up", "--nodes", "2", "--dir", "D", "--base-port", "65534"], "leaves no room for 2 nodes"),
+        (["cluster", "up", "--nodes", "2", "--dir", "D", "--timeout", "0"], "argument --timeout: expected a positive"),
+        (["cluster", "down", "--dir", "D", "--force"], "unrecognized arguments: --force"),
+        (["cluster", "status"], "the following arguments are required: --dir"),
+        (["coordinator", "--listen", "nowhere"], "argument --listen: expected HOST:PORT, got 'nowhere'"),
+        (["coordinator", "--listen", ":7000"], "argument --listen: expected HOST:PORT, got ':7000'"),
+        (["coordinator", "--listen", "127.0.0.1:65536"], "port must be between 0 and 65535, got 65536"),
+        (["coordinator", "--listen", "127.0.0.1:-1"], "expected HOST:PORT"),
+        (["coordinator", "--listen", "127.0.0.1:"], "expected HOST:PORT"),
+        (["coordinator", "--verbose"], "unrecognized arguments: --verbose"),
+        (["node", "--id", "n1"], "the following arguments are required: --coordinator"),
+        (["node", "--id", "n1", "--coordinator", "127.0.0.1:x"], "argument --coordinator: expected HOST:PORT"),
+        (["node", "--id", "n 1", "--coordinator", "127.0.0.1:7000"], "argument --id: expected a node id"),
+        (["node", "--id", "n1", "--coordinator", "h:1", "--flush-interval-ms", "0"], "expected a positive integer"),
+    ],
+)
+def test_bad_usage_exits_2_with_one_line(tmp_path: Path, args: list[str], message: str) -> None:
+    args = [str(tmp_path / "D") if arg == "D" else arg for arg in args]
+    result = ringq(*args)
+    assert result.returncode == 2
+    line = one_line_error(result)
+    assert line.startswith("ringq: error: ")
+    assert message in line
+    assert result.stdout == ""
+    assert not (tmp_path / "D").exists()
+
+
+def test_console_script() -> None:
+    script = Path(sys.executable).with_name("ringq")
+    if not script.exists():
+        pytest.skip("the ringq console script is not installed")
+    result = subprocess.run([str(script), "cluster", "up", "--help"], capture_output=True, text=True, timeout=30)
+    assert result.returncode == 0
+    assert "--nodes N" in result.stdout
+
+
+def test_coordinator_runs_in_the_foreground(tmp_path: Path) -> None:
+    ready = tmp_path / "ready"
+    command = [sys.executable, "-m", "services.cli", "coordinator", "--listen", "127.0.0.1:0"]
+    command += ["--db", str(tmp_path / "c.db"), "--ready-file", str(ready)]
+    with open(tmp_path / "coordinator.log", "wb") as log:
+        proc = subprocess.Popen(command, cwd=REPO, stdout=log, stderr=log)
+        try:
+            wait_until(lambda: ready.exists() or proc.poll() is not None, 20)
+            address = ready.read_text()
+            assert re.fullmatch(r"127\.0\.0\.1:\d+", address) and not address.endswith(":0")
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(10) == 0
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
+def test_node_command_forwards_its_flags(monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: list[list[str] | None] = []
+
+    def fake_main(argv: list[str] | None = None) -> int:
+        seen.append(argv)
+        return 7
+
+    monkeypatch.setitem(sys.modules, "services.node", types.SimpleNamespace(main=fake_main))
+    code = cli.main(["node", "--id", "n1", "--coordinator", "127.0.0.1:7000", "--heartbeat-interval-ms", "50"])
+    assert code == 7
+    assert seen == [
+        ["--id", "n1", "--listen", "127.0.0.1:7001", "--coordinator", "127.0.0.1:7000", "--heartbeat-interval-ms", "50"]
+    ]
+
+
+# ---------------------------------------------------------------------------------------------- the library
+
+
+def test_up_kill_and_start_node(cluster_dir: Path, stand_in: list[str]) -> None:
+    info = cluster.up(2, cluster_dir, node_command=stand_in, node_args=["--flush-interval-ms", "5"])
+    assert info == cluster.load(cluster_dir)
+    assert [p.name for p in info.processes] == ["coordinator", "node1", "node2"]
+    assert all(running(p.pid) and p.address.startswith("127.0.0.1:") for p in info.processes)
+    assert "argv ['--id', 'node2'" in info.process("node2").log.read_text()
+    assert "'--flush-interval-ms', '5'" in info.process("node2").log.read_text()
+
+    async def read_group() -> int:  # the coordinator is the real gRPC service
+        async with CoordinatorClient(info.coordinator.address, timeout=5, retry_seconds=5) as client:
+            return (await client.read_group("g")).version
+
+    assert asyncio.run(read_group()) == 0
+
+    node1 = info.process("node1")
+    assert cluster.kill(cluster_dir, "node1") is True
+    assert not running(node1.pid)
+    assert [(p.name, alive) for p, alive in cluster.status(cluster_dir)] == [
+        ("coordinator", True),
+        ("node1", False),
+        ("node2", True),
+    ]
+    assert cluster.kill(cluster_dir, "node1") is False  # already dead
+    with pytest.raises(cluster.ClusterError, match="no process named 'node9'"):
+        cluster.kill(cluster_dir, "node9")
+
+    with pytest.raises(cluster.ClusterError, match="node2 is already running"):
+        cluster.start_node(cluster_dir, "node2")
+    restarted = cluster.start_node(cluster_dir, "node1")  # a dead node is restarted in place
+    node3 = cluster.start_node(cluster_dir, "node3")  # a new one is appended
+    after = cluster.load(cluster_dir)
+    assert [p.name for p in after.nodes] == ["node1", "node2", "node3"]
+    assert after.process("node1") == restarted and restarted.pid != node1.pid
+    assert after.process("node3") == node3
+    assert "'--flush-interval-ms', '5'" in node3.log.read_text()  # the cluster's node args are kept
+    assert all(alive for _, alive in cluster.status(cluster_dir))
+
+    with pytest.raises(cluster.ClusterError, match="already running"):
+        cluster.up(1, cluster_dir, node_command=stand_in)
+
+    pids = [p.pid for p in after.processes]
+    assert cluster.down(cluster_dir) == ["node1", "node2", "node3", "coordinator"]
+    assert not any(running(pid) for pid in pids)
+    assert cluster.down(cluster_dir) == []
+    with pytest.raises(cluster.ClusterError, match="no cluster recorded"):
+        cluster.load(cluster_dir)
+
+
+def test_up_stops_what_it_started_when_a_node_is_never_ready(cluster_dir: Path, stand_in: list[str]) -> None:
+    with pytest.raises(cluster.ClusterError) as failure:
+        cluster.up(2, cluster_dir, node_command=[*stand_in, "--never-ready"], timeout=4)
+    assert re.match(r"node1 was not ready within 4 s: stand-in node1 pid \d+ ", failure.value.message)
+    assert "stand-in node1 pid" in failure.value.log_tail
+    assert "stand-in node1 pid" in str(failure.value)
+    assert not (cluster_dir / "cluster.json").exists()
+    assert processes_mentioning(str(cluster_dir)) == []
+
+
+def test_up_with_a_base_port(cluster_dir: Path, stand_in: list[str]) -> None:
+    base = free_port_run(3)
+    info = cluster.up(2, cluster_dir, base_port=base, node_command=stand_in)
+    assert [p.address for p in info.processes] == [f"127.0.0.1:{base + k}" for k in range(3)]
+    assert cluster.down(cluster_dir) == ["node1", "node2", "coordinator"]
+
+
+def test_up_reports_a_port_that_is_taken(cluster_dir: Path, stand_in: list[str]) -> None:
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        if port + 1 > 65535:
+            pytest.skip("no room above the taken port")
+        with pytest.raises(cluster.ClusterError, match=r"coordinator exited \(exit code 1\) before it was ready"):
+            cluster.up(1, cluster_dir, base_port=port, node_command=stand_in)
+    assert processes_mentioning(str(cluster_dir)) == []
+
+
+def free_port_run(count: int) -> int:
+    """A port P such that P..P+count-1 were free on 127.0.0.1 just now."""
+    for _ in range(50):
+        with socket.create_server(("127.0.0.1", 0)) as probe:
+            base: int = probe.getsockname()[1]
+        if base + count > 65535:
+            continue
+        sockets: list[socket.socket] = []
+        try:
+            for port in range(base, base + count):
+                sockets.append(socket.create_server(("127.0.0.1", port)))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in sockets:
+                s.close()
+    raise AssertionError("no run of free ports found")
+
+
+def test_down_kills_a_node_that_ignores_sigterm(cluster_dir: Path, stand_in: list[str]) -> None:
+    info = cluster.up(1, cluster_dir, node_command=[*stand_in, "--ignore-sigterm"])
+    started = time.monotonic()
+    assert cluster.down(cluster_dir, timeout=1) == ["node1", "coordinator"]
+    assert 1 <= time.monotonic() - started < 10
+    assert not any(running(p.pid) for p in info.processes)
+
+
+def test_a_reused_pid_is_not_taken_for_the_recorded_process(tmp_path: Path) -> None:
+    me = cluster.ProcessInfo("node1", os.getpid(), "127.0.0.1:1", tmp_path / "log")
+    assert cluster.is_alive(me)  # no start time recorded: the pid is all there is to go on
+    ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
+    assert cluster.is_alive(dataclasses.replace(me, start_ticks=ticks))
+    assert not cluster.is_alive(dataclasses.replace(me, start_ticks=ticks + 1))  # same pid, another process
+
+
+def test_a_corrupt_record_is_one_line(cluster_dir: Path) -> None:
+    cluster_dir.mkdir()
+    (cluster_dir / "cluster.json").write_text('{"coordinator": {}}')
+    for action in ("status", "down"):
+        result = ringq("cluster", action, "--dir", str(cluster_dir))
+        assert result.returncode == 1
+        assert one_line_error(result).startswith(
+            f"ringq: {cluster_dir.resolve() / 'cluster.json'} is not a cluster record"
+        )
+    (cluster_dir / "cluster.json").unlink()
