@@ -48,8 +48,11 @@ def test_a_failing_seed_is_named() -> None:
         4730,
         4803,
         # An acknowledgement died with every member carrying it; the dead
-        # publisher's owner could never retire it, so it was never erased.
-        4276,
+        # publisher's owner could never retire it, so it was never erased
+        # (each fails without the re-issue of hard case 6).
+        5541,
+        8794,
+        12752,
     ],
 )
 def test_seeds_that_found_protocol_bugs(seed: int) -> None:

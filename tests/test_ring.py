@@ -1,0 +1,229 @@
+"""Unit tests of the ring state machine (services/gm/ring.py), stepped by hand.
+
+Each test names the part of the ring's header it checks.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from services.gm.messages import Activity, Catchup, PublisherActivity, ReadGroup, RingMessage, StartFlushTimer
+from services.gm.ring import NotJoined, ProtocolViolation, RingMember
+from tests.ring_harness import Harness
+
+
+def test_a_lone_member_delivers_and_confirms_at_once() -> None:
+    h = Harness()
+    h.start("a")
+    assert h.seen["a"].joined is not None and h.seen["a"].joined.members == ("a",)
+    assert h.broadcast("a", b"1", b"2") == 1
+    assert h.seen["a"].delivered == {"a": [b"1", b"2"]}
+    assert h.seen["a"].confirmed == 2
+
+
+def test_broadcast_goes_round_once_and_confirms_when_back() -> None:
+    """Protocol: Broadcast, Activity from the left, pubs turn into acks at the publisher."""
+    h = Harness()
+    h.ring("a", "b", "c")
+    h.broadcast("a", b"x")
+    assert h.seen["a"].confirmed == 0  # not yet round the ring
+    h.pump()
+    for member in "abc":
+        assert h.seen[member].delivered["a"] == [b"x"]
+    assert h.seen["a"].confirmed == 1
+    for member in "abc":
+        publishers = h.cores[member].publishers
+        assert publishers is not None and not len(publishers["a"].pending), "ack round retires pending"
+
+
+def test_births_are_reported_before_messages_and_joiners_get_state() -> None:
+    h = Harness()
+    h.ring("a", "b")
+    h.broadcast("a", b"before")
+    h.pump()
+    h.start("c", via="b")
+    h.pump()
+    assert h.seen["a"].births == ["b", "c"] and h.seen["b"].births == ["c"]
+    assert h.seen["c"].joined is not None and dict(h.seen["c"].joined.start_after)["a"] == 1
+    h.broadcast("a", b"after")
+    h.pump()
+    assert h.seen["c"].delivered == {"a": [b"after"]}, "a joiner delivers only what follows its join point"
+
+
+def test_a_message_from_someone_not_my_left_is_dropped() -> None:
+    """Hard case 3."""
+    h = Harness()
+    h.ring("a", "b", "c")  # ring order a -> b -> c -> a
+    core = h.cores["c"]
+    view = core.view
+    assert view is not None
+    stray = RingMessage("g", "a", "c", view.version, Activity([PublisherActivity("a", 1, [b"stray"])]))
+    assert core.on_message(stray) == []
+    assert "a" not in h.seen["c"].delivered
+
+
+def test_a_newer_view_is_read_before_the_message_is_interpreted() -> None:
+    """Lemma: a message sent under view N is interpreted under a view >= N."""
+    core = RingMember("g", "a", "n")
+    actions = core.start()
+    assert actions == [ReadGroup(0)]
+    h = Harness()
+    h.ring("a", "b")
+    b = h.cores["b"]
+    assert b.view is not None
+    future = RingMessage("g", "a", "b", b.view.version + 5, Activity())
+    assert b.on_message(future) == [ReadGroup(b.view.version + 5)]
+
+
+def test_duplicates_from_a_catchup_are_not_delivered_twice() -> None:
+    h = Harness()
+    h.ring("a", "b", "c")
+    h.broadcast("a", b"x")
+    h.pump()
+    b = h.cores["b"]
+    assert b.view is not None
+    replay = RingMessage("g", "a", "b", b.view.version, Activity([PublisherActivity("a", 1, [b"x"])]))
+    h.run("b", b.on_message(replay))
+    assert h.seen["b"].delivered["a"] == [b"x"]
+
+
+def test_a_dead_members_messages_reach_everyone_through_catchup() -> None:
+    """Death: the new left's Catchup supplies what the dead member swallowed (no hole)."""
+    h = Harness()
+    h.ring("a", "b", "c")  # a -> b -> c -> a
+    h.broadcast("a", b"m1")
+    h.deliver_one("a", "b")  # b has m1; b dies before forwarding it to c
+    h.crash("b")
+    h.notice_death("a", "b")
+    h.notice_death("c", "b")
+    h.pump()
+    assert h.seen["c"].delivered["a"] == [b"m1"]
+    assert h.seen["a"].confirmed == 1
+    assert h.seen["a"].deaths == ["b"] and h.seen["c"].deaths == ["b"], "death reported once erased"
+    assert [m.id for m in h.group.members] == ["a", "c"], "the dead member was erased"
+
+
+def test_the_dead_publishers_in_flight_messages_are_delivered_before_its_death() -> None:
+    """members_changed(deaths) only after the dead member's in-flight messages."""
+    h = Harness()
+    h.ring("a", "b", "c")
+    h.broadcast("b", b"last words")
+    h.deliver_one("b", "c")
+    h.crash("b")
+    h.notice_death("a", "b")
+    h.notice_death("c", "b")
+    h.pump()
+    for member in "ac":
+        assert h.seen[member].delivered["b"] == [b"last words"]
+        assert h.seen[member].deaths == ["b"]
+
+
+def test_a_newcomer_holds_messages_that_overtake_its_joining_catchup() -> None:
+    """Hard case 2 (found by simulation seed 4730): b and then c join right of a;
+    c's catchup reaches b before a's joining catchup does."""
+    h = Harness()
+    h.start("a")
+    h.start("b", via="a")
+    h.broadcast("a", b"one")  # a sends to b, behind b's joining catchup
+    h.start("c", via="a")  # now a -> c -> b
+    h.deliver_one("a", "c")  # c adopts a's state
+    while h.links.get(("c", "b")):
+        h.deliver_one("c", "b")  # c's messages reach b first
+    h.pump()
+    assert h.seen["b"].delivered == {"a": [b"one"]}
+    h.broadcast("a", b"two")
+    h.pump()
+    assert h.seen["b"].delivered == {"a": [b"one", b"two"]}
+
+
+def test_a_newcomer_whose_adder_dies_first_rejoins_under_a_new_id() -> None:
+    """Hard case 2: state may come only from the member that added us."""
+    h = Harness()
+    h.ring("a", "b")
+    h.start("c", via="b")  # a -> b -> c -> a
+    h.drop("b", "c")  # b's joining catchup is lost...
+    h.crash("b")  # ...with b
+    h.notice_death("c", "b")
+    assert h.seen["c"].stopped is not None and h.seen["c"].stopped.rejoin
+    assert not h.group.is_alive("c")
+
+
+def test_an_acknowledgement_lost_in_flight_is_reissued() -> None:
+    """Hard case 6 (found by simulation, seeds 5541, 8794, 12752): the owner of a
+    dead publisher took its retired-ack mark from its left's Catchup, while the
+    acknowledgement that would have retired it was lost in flight and nothing
+    else would ever carry it. Without the re-issue, b is never erased."""
+    h = Harness()
+    h.ring("a", "b", "c")  # a -> b -> c -> a
+    h.broadcast("b", b"p")
+    for link in [("b", "c"), ("c", "a"), ("a", "b")]:
+        h.deliver_one(*link)  # p went round; b now sends ack(1) to c
+    h.deliver_one("b", "c")  # c saw ack(1) and passes it to a...
+    assert h.drop("c", "a") == 1  # ...but that frame is lost
+    h.crash("b")
+    h.notice_death("a", "b")  # a's new right is c: a sends c a Catchup
+    h.notice_death("c", "b")  # c inherits b; c's right (a) does not change
+    h.pump()
+    assert [m.id for m in h.group.members] == ["a", "c"], "b erased once the re-issued ack came back"
+    for member in "ac":
+        assert h.seen[member].deaths == ["b"]
+        publishers = h.cores[member].publishers
+        assert publishers is not None and "b" not in publishers
+
+
+def test_a_graceful_leave_hands_over_to_the_ring() -> None:
+    h = Harness()
+    h.ring("a", "b", "c")
+    h.run("b", h.cores["b"].leave())
+    h.pump()
+    assert h.seen["b"].stopped is not None and h.seen["b"].stopped.reason == "left"
+    h.broadcast("a", b"after")
+    h.pump()
+    assert h.seen["c"].delivered["a"] == [b"after"] and h.seen["a"].confirmed == 1
+    assert h.seen["a"].deaths == ["b"]
+
+
+def test_the_last_member_confirms_what_nobody_else_can_deliver() -> None:
+    """Hard case 5."""
+    h = Harness()
+    h.ring("a", "b")
+    h.broadcast("a", b"x")
+    h.crash("b")
+    h.notice_death("a", "b")
+    assert h.seen["a"].confirmed == 1
+    assert [m.id for m in h.group.members] == ["a"]
+
+
+def test_buffered_broadcasts_wait_for_the_flush() -> None:
+    core = RingMember("g", "a", "n", max_buffer_bytes=1000)
+    h = Harness()
+    h.ring("a", "b")
+    core = h.cores["a"]
+    core.max_buffer_bytes = 1000
+    _, actions = core.broadcast([b"small"])
+    assert StartFlushTimer() in actions and not any(type(a).__name__ == "SendRight" for a in actions)
+    flushed = core.flush()
+    assert len(flushed) == 1 and isinstance(flushed[0].message.body, Activity)  # type: ignore[union-attr]
+
+
+def test_protocol_violations_are_raised_not_absorbed() -> None:
+    h = Harness()
+    h.ring("a", "b")
+    b = h.cores["b"]
+    assert b.view is not None
+    gap = RingMessage("g", "a", "b", b.view.version, Activity([PublisherActivity("a", 5, [b"x"])]))
+    with pytest.raises(ProtocolViolation, match="hole"):
+        b.on_message(gap)
+
+
+def test_broadcast_before_joining_is_refused() -> None:
+    core = RingMember("g", "a", "n")
+    with pytest.raises(NotJoined):
+        core.broadcast([b"x"])
+
+
+def test_input_while_the_group_table_is_being_read_is_a_contract_breach() -> None:
+    core = RingMember("g", "a", "n")
+    core.start()
+    with pytest.raises(ProtocolViolation, match="outstanding"):
+        core.on_message(RingMessage("g", "b", "a", 1, Catchup([])))
