@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from ringq.group import GroupMembership
+from ringq.group import DeliveryCheck, GroupMembership
 from services import cluster
 
 pytestmark = pytest.mark.integration
@@ -32,32 +32,6 @@ TOTAL_PER_PUBLISHER = 50_000
 BATCH = 250
 WINDOW = 4
 RUNS = int(os.environ.get("RINGQ_INTEGRATION_RUNS", "1"))
-
-
-class Recorder:
-    """One member's deliveries, checked as they arrive."""
-
-    def __init__(self, membership: GroupMembership) -> None:
-        self.membership = membership
-        self.start_after = dict(membership.joined.start_after)
-        self.last: dict[str, int] = dict(self.start_after)
-        self.bodies: dict[str, list[bytes]] = {}
-        self.deaths: set[str] = set()
-        self.errors: list[str] = []
-
-    async def run(self) -> None:
-        async for event in self.membership.events():
-            kind = event.WhichOneof("kind")
-            if kind == "delivery":
-                delivery = event.delivery
-                publisher = delivery.publisher
-                expected = self.last.get(publisher, 0) + 1
-                if delivery.first_seq != expected:
-                    self.errors.append(f"{publisher}#{delivery.first_seq} delivered, expected #{expected}")
-                self.bodies.setdefault(publisher, []).extend(delivery.payloads)
-                self.last[publisher] = delivery.first_seq + len(delivery.payloads) - 1
-            elif kind == "members_changed":
-                self.deaths.update(event.members_changed.deaths)
 
 
 class Publisher:
@@ -103,8 +77,8 @@ async def _scenario(directory: Path) -> dict[str, float]:
     a = await GroupMembership.join(addresses["node1"], "ring-it")
     b = await GroupMembership.join(addresses["node2"], "ring-it")
     c = await GroupMembership.join(addresses["node3"], "ring-it")
-    recorders = {m.member_id: Recorder(m) for m in (a, b, c)}
-    readers = [asyncio.ensure_future(r.run()) for r in recorders.values()]
+    recorders = {m.member_id: DeliveryCheck(m.joined, keep_bodies=True) for m in (a, b, c)}
+    readers = [asyncio.ensure_future(recorders[m.member_id].follow(m)) for m in (a, b, c)]
     publishers = [Publisher(a), Publisher(b)]
     started = time.monotonic()
     publishing = asyncio.ensure_future(asyncio.gather(*(p.run(TOTAL_PER_PUBLISHER) for p in publishers)))
@@ -117,8 +91,8 @@ async def _scenario(directory: Path) -> dict[str, float]:
     node4 = cluster.start_node(directory, "node4")
     d = await GroupMembership.join(node4.address, "ring-it")
     started_before_join = {p.membership.member_id: p.started for p in publishers}
-    recorders[d.member_id] = Recorder(d)
-    readers.append(asyncio.ensure_future(recorders[d.member_id].run()))
+    recorders[d.member_id] = DeliveryCheck(d.joined, keep_bodies=True)
+    readers.append(asyncio.ensure_future(recorders[d.member_id].follow(d)))
 
     await asyncio.wait_for(publishing, 120)
     elapsed = time.monotonic() - started
@@ -132,7 +106,7 @@ async def _scenario(directory: Path) -> dict[str, float]:
     await _wait_for(lambda: all(c.member_id in r.deaths for r in survivors[:2]), 30, "the death to be reported")
 
     for recorder in recorders.values():
-        assert not recorder.errors, recorder.errors[:5]
+        assert not recorder.problems, recorder.problems[:5]
     for publisher in publishers:
         member = publisher.membership.member_id
         assert len(publisher.by_seq) == TOTAL_PER_PUBLISHER

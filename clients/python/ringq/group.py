@@ -78,3 +78,45 @@ class GroupMembership:
         """Drop the connection (the node makes the member leave)."""
         self._call.cancel()
         await self._channel.close(None)
+
+
+class DeliveryCheck:
+    """Follows one member's events and checks the ring's promise as they arrive:
+    each publisher's messages come consecutively from the member's join point
+    (no hole, no duplicate, publisher order), and deaths are recorded.
+
+        check = DeliveryCheck(membership.joined)
+        async for event in membership.events():
+            check.observe(event)
+        assert not check.problems
+    """
+
+    def __init__(self, joined: group_pb2.Joined, keep_bodies: bool = False) -> None:
+        self.start_after: dict[str, int] = dict(joined.start_after)
+        self.last: dict[str, int] = dict(self.start_after)
+        self.keep_bodies = keep_bodies
+        self.bodies: dict[str, list[bytes]] = {}
+        self.delivered = 0
+        self.deaths: set[str] = set()
+        self.births: set[str] = set()
+        self.problems: list[str] = []
+
+    def observe(self, event: group_pb2.GroupEvent) -> None:
+        kind = event.WhichOneof("kind")
+        if kind == "delivery":
+            delivery = event.delivery
+            expected = self.last.get(delivery.publisher, 0) + 1
+            if delivery.first_seq != expected:
+                self.problems.append(f"{delivery.publisher}#{delivery.first_seq} delivered, expected #{expected}")
+            self.last[delivery.publisher] = delivery.first_seq + len(delivery.payloads) - 1
+            self.delivered += len(delivery.payloads)
+            if self.keep_bodies:
+                self.bodies.setdefault(delivery.publisher, []).extend(delivery.payloads)
+        elif kind == "members_changed":
+            self.deaths.update(event.members_changed.deaths)
+            self.births.update(event.members_changed.births)
+
+    async def follow(self, membership: GroupMembership) -> None:
+        """Observe `membership`'s events until its stream ends."""
+        async for event in membership.events():
+            self.observe(event)
