@@ -52,8 +52,8 @@ async def _drain(membership: GroupMembership, counts: dict[str, int]) -> None:
 
 
 async def _measure(
-    addresses: list[str], messages: int, batch: int, window: int, warmup: int
-) -> tuple[float, list[float]]:
+    addresses: list[str], seconds: float, batch: int, window: int, warmup: float
+) -> tuple[int, float, list[float]]:
     name = f"bench-{time.monotonic_ns()}"
     memberships = [await GroupMembership.join(address, name) for address in addresses]
     counts: dict[str, int] = {}
@@ -70,35 +70,37 @@ async def _measure(
             latencies.append((time.perf_counter() - sent) * 1000)
         in_flight.release()
 
-    async def run(count: int, record: bool) -> None:
+    async def run(duration: float, record: bool) -> int:
         tasks = []
-        for _ in range(count // batch):
+        until = time.perf_counter() + duration
+        while time.perf_counter() < until:
             await in_flight.acquire()
             tasks.append(asyncio.ensure_future(one(record)))
         await asyncio.gather(*tasks)
+        return len(tasks) * batch
 
     await run(warmup, record=False)
     started = time.perf_counter()
-    await run(messages, record=True)
-    seconds = time.perf_counter() - started
+    messages = await run(seconds, record=True)
+    elapsed = time.perf_counter() - started
     for membership in memberships:
         await membership.close()
     for drain in drains:
         drain.cancel()
-    return seconds, latencies
+    return messages, elapsed, latencies
 
 
-def bench(flush_ms: float, messages: int, batch: int, window: int, warmup: int) -> Result:
+def bench(flush_ms: float, seconds: float, batch: int, window: int, warmup: float) -> Result:
     with tempfile.TemporaryDirectory(prefix="ringq-bench-") as directory:
         info = cluster.up(
             3, Path(directory), node_args=["--flush-interval-ms", str(flush_ms), "--log-level", "WARNING"]
         )
         try:
             addresses = [node.address for node in info.nodes]
-            seconds, latencies = asyncio.run(_measure(addresses, messages, batch, window, warmup))
+            messages, elapsed, latencies = asyncio.run(_measure(addresses, seconds, batch, window, warmup))
         finally:
             cluster.down(Path(directory))
-    return Result(flush_ms, batch, window, messages, seconds, latencies)
+    return Result(flush_ms, batch, window, messages, elapsed, latencies)
 
 
 def machine() -> str:
@@ -164,11 +166,11 @@ def write_section(path: Path, command: str, results: list[Result]) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="make bench-gm", description=__doc__)
     parser.add_argument("--flush-ms", default="0.5,2,5,10", help="comma-separated flush intervals to try")
-    parser.add_argument("--messages", type=int, default=200_000)
-    parser.add_argument("--warmup", type=int, default=20_000)
+    parser.add_argument("--seconds", type=float, default=4.0, help="measured seconds per run (after warm-up)")
+    parser.add_argument("--warmup", type=float, default=1.0, help="warm-up seconds per run")
     parser.add_argument(
         "--shapes",
-        default="250x8,10x64",
+        default="250x8,10x64,1x1",
         help="comma-separated BATCHxWINDOW: payloads per request x requests in flight",
     )
     parser.add_argument("--write", type=Path, help="update this Markdown file with the results")
@@ -177,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     shapes = [tuple(int(v) for v in shape.split("x")) for shape in args.shapes.split(",")]
     for batch, window in shapes:
         for flush_ms in [float(v) for v in args.flush_ms.split(",")]:
-            result = bench(flush_ms, args.messages, batch, window, args.warmup)
+            result = bench(flush_ms, args.seconds, batch, window, args.warmup)
             print(
                 f"batch {batch} x {window} in flight, flush {flush_ms:g} ms: {result.rate:,.0f} confirmed msgs/s, "
                 f"p50 {result.percentile(0.5):.2f} ms, p99 {result.percentile(0.99):.2f} ms",

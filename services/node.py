@@ -43,6 +43,17 @@ from services.gm.ring import NotJoined, RingMember
 log = logging.getLogger("ringq.node")
 
 MAX_PAYLOAD_BYTES = 16 * 1024 * 1024
+# gRPC refuses a message over its limits before any handler sees it, so the
+# server's limits leave room for several payloads of the largest size: larger
+# requests get RESOURCE_EXHAUSTED from gRPC itself.
+MAX_GRPC_MESSAGE_BYTES = 64 * 1024 * 1024
+SERVER_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_GRPC_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_GRPC_MESSAGE_BYTES),
+]
+# A Delivery event carries at most this many payload bytes (but always at
+# least one payload), so one flush of many large payloads becomes several events.
+MAX_DELIVERY_EVENT_BYTES = 4 * 1024 * 1024
 JOIN_ATTEMPTS = 5
 _NODE_ID = re.compile(r"[A-Za-z0-9._-]{1,64}")
 
@@ -225,19 +236,24 @@ class Node:
             member.post(lambda core: core.on_neighbour_down(suspect))
 
 
-def _event_to_proto(event: MemberEvent) -> group_pb2.GroupEvent:
-    if isinstance(event, Deliver):
-        return group_pb2.GroupEvent(
-            delivery=group_pb2.Delivery(publisher=event.publisher, first_seq=event.first_seq, payloads=event.bodies)
-        )
+def _events_to_proto(event: Deliver | MembersChanged) -> list[group_pb2.GroupEvent]:
     if isinstance(event, MembersChanged):
-        return group_pb2.GroupEvent(
-            members_changed=group_pb2.MembersChanged(
-                births=event.births, deaths=event.deaths, view_version=event.view_version
-            )
+        changed = group_pb2.MembersChanged(births=event.births, deaths=event.deaths, view_version=event.view_version)
+        return [group_pb2.GroupEvent(members_changed=changed)]
+    out: list[group_pb2.GroupEvent] = []
+    bodies = event.bodies
+    start = 0
+    while start < len(bodies):
+        end, size = start, 0
+        while end < len(bodies) and (end == start or size + len(bodies[end]) <= MAX_DELIVERY_EVENT_BYTES):
+            size += len(bodies[end])
+            end += 1
+        delivery = group_pb2.Delivery(
+            publisher=event.publisher, first_seq=event.first_seq + start, payloads=bodies[start:end]
         )
-    assert isinstance(event, Joined)
-    raise AssertionError("Joined is built by the servicer, which knows the member id")
+        out.append(group_pb2.GroupEvent(delivery=delivery))
+        start = end
+    return out
 
 
 class GroupServicer(group_pb2_grpc.GroupServiceServicer):
@@ -275,7 +291,8 @@ class GroupServicer(group_pb2_grpc.GroupServiceServicer):
                         )
                     )
                 else:
-                    yield _event_to_proto(event)
+                    for proto in _events_to_proto(event):
+                        yield proto
         finally:
             if member.stopped is None:
                 member.leave()
@@ -365,8 +382,11 @@ class PeerServicer(peer_pb2_grpc.PeerServiceServicer):
 
 async def serve(node_id: str, listen: str, coordinator: str, settings: NodeSettings, ready_file: str | None) -> None:
     """Run a node until SIGTERM or SIGINT."""
-    server = grpc.aio.server(options=CHANNEL_OPTIONS)
-    port = server.add_insecure_port(listen)
+    server = grpc.aio.server(options=SERVER_OPTIONS)
+    try:
+        port = server.add_insecure_port(listen)
+    except RuntimeError as error:  # grpc's way of saying the port is taken
+        raise OSError(f"cannot listen on {listen}: {error}") from None
     if port == 0:
         raise OSError(f"cannot listen on {listen}")
     host = listen.rsplit(":", 1)[0]

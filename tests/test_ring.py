@@ -227,3 +227,20 @@ def test_input_while_the_group_table_is_being_read_is_a_contract_breach() -> Non
     core.start()
     with pytest.raises(ProtocolViolation, match="outstanding"):
         core.on_message(RingMessage("g", "b", "a", 1, Catchup([])))
+
+
+def test_a_message_claiming_a_view_the_table_never_had_is_dropped() -> None:
+    """Found by the bad-input tests: one forged frame made a member re-read the
+    group table forever, delivering nothing more."""
+    h = Harness()
+    h.ring("a", "b")
+    b = h.cores["b"]
+    assert b.view is not None
+    forged = RingMessage("g", "intruder", "b", 2**62, Activity([PublisherActivity("a", 99, [b"forged"])]))
+    actions = b.on_message(forged)
+    assert actions == [ReadGroup(2**62)]
+    after_read = b.on_group(h.group)
+    assert not any(isinstance(a, ReadGroup) for a in after_read), "one read, then the forged message is gone"
+    h.broadcast("a", b"still works")
+    h.pump()
+    assert h.seen["b"].delivered["a"] == [b"still works"]

@@ -129,3 +129,15 @@ def test_a_busy_link_coalesces_consecutive_activities_of_one_ring() -> None:
         assert outbox.qsize() == 1
 
     asyncio.run(scenario())
+
+
+def test_large_deliveries_are_split_into_bounded_events() -> None:
+    from services.gm.messages import Deliver
+    from services.node import MAX_DELIVERY_EVENT_BYTES, _events_to_proto
+
+    big = b"x" * (MAX_DELIVERY_EVENT_BYTES // 2 + 1)
+    events = _events_to_proto(Deliver("p", 7, [big, big, big, b"small"]))
+    assert [e.delivery.first_seq for e in events] == [7, 8, 9]
+    assert [len(e.delivery.payloads) for e in events] == [1, 1, 2]
+    huge = b"y" * (MAX_DELIVERY_EVENT_BYTES + 1)
+    assert len(_events_to_proto(Deliver("p", 1, [huge]))) == 1, "a payload larger than the bound travels alone"

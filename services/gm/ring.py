@@ -106,7 +106,10 @@ The shell contract
 ------------------
 Each `on_*` method is one input and returns actions, to be carried out in
 order. After `ReadGroup` the shell must call `on_group`, and after
-`WriteGroup` `on_group_written`, before any other input. The state machine
+`WriteGroup` `on_group_written`, before any other input. A read must return
+the table at least as new as every change committed before it began (a
+ZooKeeper store syncs first): a message claiming a newer view than that is
+dropped as forged. The state machine
 has no clock, socket, thread or random choice: timers, failure detection and
 choice of a join target are the shell's, so a simulator can drive it
 deterministically.
@@ -233,12 +236,17 @@ class RingMember:
         return self._read(0)
 
     def on_group(self, group: Group) -> list[Action]:
-        """The group table, as read after a `ReadGroup`."""
+        """The group table, as read after a `ReadGroup` (at least as new as every
+        change committed before the read began)."""
         if self._awaiting == "read":
             self._awaiting = None
         self._expect_no_io()
         if self.stopped:
             return []
+        # The table is the source of truth: a message claiming a view newer
+        # than a fresh read of it was forged or corrupted. Waiting for that
+        # view would stall this member for good, so the message is dropped.
+        self._deferred = [m for m in self._deferred if m.view_version <= group.version]
         return self._adopt_group(group)
 
     def on_group_written(self, outcome: Outcome, group: Group) -> list[Action]:
