@@ -17,29 +17,22 @@ import importlib
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, NoReturn, cast
+from typing import Any, cast
 
 from services import cluster
+from services.arguments import OneLineParser, address_argument
 
 _Handler = Callable[[argparse.Namespace], int]
 
 
-class _Parser(argparse.ArgumentParser):
-    """An ArgumentParser whose usage errors are one line, `ringq: error: ...`, exit 2."""
+class _Parser(OneLineParser):
+    """Every ringq subcommand reports usage errors as `ringq: error: ...`."""
 
-    def error(self, message: str) -> NoReturn:
-        self.exit(2, f"ringq: error: {' '.join(message.split())}\n")
+    error_prefix = "ringq"
 
 
 class _UsageError(Exception):
     """A problem with the arguments found after parsing; reported like an argparse error."""
-
-
-def _address(text: str) -> str:
-    problem = cluster.address_problem(text)
-    if problem is not None:
-        raise argparse.ArgumentTypeError(problem)
-    return text
 
 
 def _port(text: str) -> int:
@@ -164,14 +157,16 @@ def build_parser() -> argparse.ArgumentParser:
         return sub
 
     coordinator = command(commands, "coordinator", "run the coordinator in the foreground", _run_coordinator)
-    coordinator.add_argument("--listen", type=_address, default="127.0.0.1:7000", help="HOST:PORT (port 0: any)")
+    coordinator.add_argument(
+        "--listen", type=address_argument, default="127.0.0.1:7000", help="HOST:PORT (port 0: any)"
+    )
     coordinator.add_argument("--db", default="coordinator.db", help="SQLite file (created if absent)")
     coordinator.add_argument("--ready-file", help="write the bound HOST:PORT here once listening")
 
     node = command(commands, "node", "run a broker node in the foreground", _run_node)
     node.add_argument("--id", required=True, type=_node_id, help="this node's id")
-    node.add_argument("--listen", type=_address, default="127.0.0.1:7001", help="HOST:PORT (port 0: any)")
-    node.add_argument("--coordinator", required=True, type=_address, help="the coordinator's HOST:PORT")
+    node.add_argument("--listen", type=address_argument, default="127.0.0.1:7001", help="HOST:PORT (port 0: any)")
+    node.add_argument("--coordinator", required=True, type=address_argument, help="the coordinator's HOST:PORT")
     node.add_argument("--ready-file", help="write the bound HOST:PORT here once serving")
     node.add_argument("--flush-interval-ms", type=_positive_int, metavar="N")
     node.add_argument("--heartbeat-interval-ms", type=_positive_int, metavar="N")

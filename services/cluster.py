@@ -33,7 +33,6 @@ import contextlib
 import fcntl
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -44,6 +43,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, BinaryIO
 
+from services.arguments import address_problem, node_id_problem
+
 HOST = "127.0.0.1"
 COORDINATOR = "coordinator"
 MAX_NODES = 16
@@ -53,8 +54,6 @@ COORDINATOR_COMMAND: tuple[str, ...] = (sys.executable, "-m", "services.coordina
 
 _RECORD = "cluster.json"
 _LOCK = "cluster.lock"
-_NODE_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
-_ADDRESS = re.compile(r"(?P<host>[^\s:][^\s]*):(?P<port>[0-9]{1,5})")
 _POLL_SECONDS = 0.02
 _KILL_GRACE_SECONDS = 5.0
 _TAIL_LINES = 20
@@ -284,17 +283,6 @@ def is_alive(process: ProcessInfo) -> bool:
     return process.start_ticks is None or process.start_ticks == start_ticks
 
 
-def node_id_problem(node_id: str) -> str | None:
-    """Why `node_id` cannot name a node of a local cluster (it becomes a file name), or None."""
-    if node_id == COORDINATOR:
-        return f"node id must not be {COORDINATOR!r}"
-    if not _NODE_ID.fullmatch(node_id):
-        return (
-            f"node id must be 1-64 letters, digits, '.', '_' or '-', starting with a letter or digit (got {node_id!r})"
-        )
-    return None
-
-
 # ---------------------------------------------------------------------------------------------- launching
 
 
@@ -508,16 +496,6 @@ def _proc_stat(pid: int) -> tuple[str, int] | None:
 
 
 # ---------------------------------------------------------------------------------------------- the record
-
-
-def address_problem(address: str) -> str | None:
-    """Why `address` is not HOST:PORT (host non-empty, port 0..65535), or None."""
-    match = _ADDRESS.fullmatch(address)
-    if match is None:
-        return f"expected HOST:PORT, got {address!r}"
-    if int(match["port"]) > 65535:
-        return f"port must be between 0 and 65535, got {match['port']}"
-    return None
 
 
 @contextlib.contextmanager

@@ -17,7 +17,6 @@ import argparse
 import asyncio
 import logging
 import os
-import re
 import signal
 import sys
 import time
@@ -30,6 +29,7 @@ from typing import Any
 import grpc
 
 from ringq.v1 import group_pb2, group_pb2_grpc, peer_pb2, peer_pb2_grpc
+from services.arguments import OneLineParser, address_argument, node_id_argument
 from services.coordinator.client import CoordinatorClient
 from services.coordinator.convert import group_from_proto, group_to_proto
 from services.coordinator.group_table import Group, GroupChange, Outcome
@@ -55,7 +55,6 @@ SERVER_OPTIONS = [
 # least one payload), so one flush of many large payloads becomes several events.
 MAX_DELIVERY_EVENT_BYTES = 4 * 1024 * 1024
 JOIN_ATTEMPTS = 5
-_NODE_ID = re.compile(r"[A-Za-z0-9._-]{1,64}")
 
 
 @dataclass(frozen=True)
@@ -410,19 +409,6 @@ async def serve(node_id: str, listen: str, coordinator: str, settings: NodeSetti
     await server.stop(grace=1.0)
 
 
-def _address(value: str) -> str:
-    host, sep, port = value.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
-        raise argparse.ArgumentTypeError(f"expected HOST:PORT, got {value!r}")
-    return value
-
-
-def _node_id(value: str) -> str:
-    if not _NODE_ID.fullmatch(value):
-        raise argparse.ArgumentTypeError(f"node ids are 1 to 64 of [A-Za-z0-9._-], got {value!r}")
-    return value
-
-
 def _millis(value: str) -> float:
     try:
         millis = float(value)
@@ -435,10 +421,12 @@ def _millis(value: str) -> float:
 
 def parser() -> argparse.ArgumentParser:
     defaults = NodeSettings()
-    out = argparse.ArgumentParser(prog="ringq node", description="Run a ringq broker node.")
-    out.add_argument("--id", required=True, type=_node_id, help="this node's id, unique in the cluster")
-    out.add_argument("--listen", default="127.0.0.1:7100", type=_address, help="HOST:PORT to serve on (port 0: any)")
-    out.add_argument("--coordinator", required=True, type=_address, help="the coordinator's HOST:PORT")
+    out = OneLineParser(prog="ringq node", description="Run a ringq broker node.")
+    out.add_argument("--id", required=True, type=node_id_argument, help="this node's id, unique in the cluster")
+    out.add_argument(
+        "--listen", default="127.0.0.1:7100", type=address_argument, help="HOST:PORT to serve on (port 0: any)"
+    )
+    out.add_argument("--coordinator", required=True, type=address_argument, help="the coordinator's HOST:PORT")
     out.add_argument("--ready-file", help="write the bound HOST:PORT here once serving")
     out.add_argument("--flush-interval-ms", type=_millis, default=str(defaults.flush_interval * 1000))
     out.add_argument("--heartbeat-interval-ms", type=_millis, default=str(defaults.heartbeat_interval * 1000))

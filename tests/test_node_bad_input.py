@@ -674,8 +674,12 @@ def _node_command(*args: str, timeout: float = 20.0) -> subprocess.CompletedProc
     [
         (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
         (["--listen", "nowhere"], "argument --listen: expected HOST:PORT, got 'nowhere'"),
-        (["--coordinator", "127.0.0.1:99999"], "argument --coordinator: expected HOST:PORT, got '127.0.0.1:99999'"),
-        (["--id", "bad id!"], "argument --id: node ids are 1 to 64 of [A-Za-z0-9._-], got 'bad id!'"),
+        (["--coordinator", "127.0.0.1:99999"], "argument --coordinator: port must be between 0 and 65535, got 99999"),
+        (
+            ["--id", "bad id!"],
+            "argument --id: node id must be 1-64 letters, digits, '.', '_' or '-', starting with a letter or digit"
+            " (got 'bad id!')",
+        ),
     ],
     ids=["unknown-flag", "listen-nowhere", "coordinator-port-out-of-range", "bad-id"],
 )
@@ -689,7 +693,7 @@ def test_node_with_bad_flags_exits_2_with_a_one_line_error(args: list[str], name
     assert result.stdout == ""
     errors = [line for line in result.stderr.splitlines() if ": error:" in line]
     assert errors == [f"ringq node: error: {named}"], result.stderr
-    assert result.stderr.rstrip("\n").splitlines()[-1] == errors[0], "the error must be the last line"
+    assert result.stderr.rstrip("\n").splitlines() == errors, "the error is the only line"
 
 
 def test_node_that_cannot_listen_exits_1_with_a_one_line_error() -> None:
