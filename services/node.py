@@ -189,6 +189,7 @@ class Node:
         member = self.members.get(message.group)
         if member is None or member.id != message.receiver:
             return
+        member.last_ring_input = time.monotonic()
         try:
             ring_message = wire.from_proto(message)
         except ValueError as error:
@@ -217,6 +218,12 @@ class Node:
                     if node != self.id and self.links.silent_for(node) > settings.failure_timeout:
                         suspects.add((member.id, suspect))
             self._reported &= suspects
+            now = time.monotonic()
+            for member in list(self.members.values()):
+                quiet_since = max(member.last_ring_input, member.last_membership_check)
+                if member.stopped is None and member.joined.is_set() and now - quiet_since > settings.failure_timeout:
+                    member.last_membership_check = now
+                    member.post(lambda core: core.check_membership())
             for member_id, suspect in suspects - self._reported:
                 self._reported.add((member_id, suspect))
                 task = asyncio.ensure_future(self._report_after_grace(member_id, suspect))

@@ -20,6 +20,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import grpc
 import pytest
 
 from ringq.group import DeliveryCheck, GroupMembership
@@ -129,5 +130,63 @@ def test_broadcast_through_a_kill_and_a_join(tmp_path: Path, run: int) -> None:
     try:
         figures = asyncio.run(asyncio.wait_for(_scenario(directory), 240))
         print(f"run {run}: 100,000 messages in {figures['elapsed']:.1f}s")
+    finally:
+        cluster.down(directory)
+
+
+async def _paused_node_scenario(directory: Path) -> float:
+    info = cluster.up(3, directory, node_args=NODE_ARGS)
+    addresses = {node.name: node.address for node in info.nodes}
+    a = await GroupMembership.join(addresses["node1"], "paused")
+    b = await GroupMembership.join(addresses["node2"], "paused")
+    c = await GroupMembership.join(addresses["node3"], "paused")
+    checks = {m.member_id: DeliveryCheck(m.joined) for m in (a, b)}
+    followers = [asyncio.ensure_future(checks[m.member_id].follow(m)) for m in (a, b)]
+    c_ended: asyncio.Future[grpc.StatusCode] = asyncio.get_running_loop().create_future()
+
+    async def follow_c() -> None:
+        try:
+            async for _ in c.events():
+                pass
+            c_ended.set_result(grpc.StatusCode.OK)
+        except grpc.aio.AioRpcError as error:
+            c_ended.set_result(error.code())
+
+    c_follower = asyncio.ensure_future(follow_c())
+    for _ in range(10):
+        await a.broadcast([b"before"] * 100, confirmed=True)
+    node3 = info.process("node3")
+    os.kill(node3.pid, signal.SIGSTOP)
+    paused = time.monotonic()
+    try:
+        await asyncio.wait_for(a.broadcast([b"during"] * 100, confirmed=True), 10)
+        stalled = time.monotonic() - paused
+        await asyncio.sleep(1.0)
+    finally:
+        os.kill(node3.pid, signal.SIGCONT)
+    code = await asyncio.wait_for(c_ended, 15)
+    assert code == grpc.StatusCode.ABORTED, f"the paused member's stream ended with {code}"
+    for _ in range(10):
+        await b.broadcast([b"after"] * 100, confirmed=True)
+    await _wait_for(lambda: all(c.member_id in check.deaths for check in checks.values()), 15, "the death")
+    await _wait_for(lambda: all(check.delivered == 2100 for check in checks.values()), 15, "deliveries")
+    for check in checks.values():
+        assert not check.problems, check.problems[:3]
+    for membership in (a, b):
+        await membership.close()
+    for task in (*followers, c_follower):
+        task.cancel()
+    return stalled
+
+
+def test_a_node_paused_past_the_failure_timeout_is_recorded_dead_and_its_member_stops(tmp_path: Path) -> None:
+    """SIGSTOP keeps the paused node's connections open: only heartbeats reveal it.
+    Confirms stall for about the failure timeout plus the grace, then go on; on
+    SIGCONT the paused member finds itself recorded dead and its stream is aborted."""
+    directory = tmp_path / "cluster"
+    try:
+        stalled = asyncio.run(asyncio.wait_for(_paused_node_scenario(directory), 120))
+        print(f"confirms stalled {stalled:.2f}s while node3 was paused")
+        assert stalled < 3.0, f"failover took {stalled:.2f}s with a 0.6 s failure timeout"
     finally:
         cluster.down(directory)

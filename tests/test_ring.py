@@ -244,3 +244,16 @@ def test_a_message_claiming_a_view_the_table_never_had_is_dropped() -> None:
     h.broadcast("a", b"still works")
     h.pump()
     assert h.seen["b"].delivered["a"] == [b"still works"]
+
+
+def test_a_member_recorded_dead_behind_its_back_stops_when_it_checks() -> None:
+    """A member paused past the failure timeout is sent nothing more; the
+    shell's periodic membership check is how it learns it must stop."""
+    h = Harness()
+    h.ring("a", "b", "c")
+    h.notice_death("a", "b")  # b is alive but silent: a records it dead
+    h.pump()
+    assert h.seen["b"].stopped is None
+    h.run("b", h.cores["b"].check_membership())
+    stopped = h.seen["b"].stopped
+    assert stopped is not None and stopped.reason in ("recorded dead", "erased from the group")

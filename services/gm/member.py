@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
@@ -77,6 +78,10 @@ class MemberShell:
         self.core = core
         self.events = events
         self.neighbours: Neighbours | None = None
+        # When a ring message last arrived, and when membership was last
+        # re-checked for want of one (services/node.py drives both).
+        self.last_ring_input = time.monotonic()
+        self.last_membership_check = time.monotonic()
         self.joined = asyncio.Event()
         self.stopped: Stopped | None = None
         self._done = asyncio.Event()

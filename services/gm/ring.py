@@ -361,6 +361,15 @@ class RingMember:
         self._intents.append(_Intent("leave"))
         return actions + self._next_write()
 
+    def check_membership(self) -> list[Action]:
+        """Nothing came from the ring for a while: re-read the table. A member
+        recorded dead (paused past the failure timeout, or cut off) is sent
+        nothing more, so this is how it learns that it must stop."""
+        self._expect_no_io()
+        if self.stopped or self.view is None or not self._was_member:
+            return []
+        return self._read(self.view.version)
+
     def resend_catchup(self) -> list[Action]:
         """The link to the right neighbour was re-established: frames may have
         been lost with the old one, and a Catchup recovers anything missed."""
