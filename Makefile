@@ -11,7 +11,7 @@ GEN := clients/python/ringq/v1
 PROTOS := $(wildcard protos/ringq/v1/*.proto)
 SEEDS ?= 20000
 
-.PHONY: all setup protos lint test sim demo bench-gm clean
+.PHONY: all setup setup-zookeeper protos lint test sim demo bench-gm clean
 
 all: test
 
@@ -32,11 +32,19 @@ $(GEN)/.stamp-protos: $(PROTOS) $(VENV)/.stamp-install
 
 protos: $(GEN)/.stamp-protos
 
+# The store contract tests run against a real ZooKeeper (Debian's package,
+# started by the tests on 127.0.0.1 and stopped by them).
+setup-zookeeper:
+	@if ! dpkg -s zookeeper >/dev/null 2>&1; then \
+	  echo "installing Debian's zookeeper package"; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq zookeeper >/dev/null; \
+	fi
+
 lint: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy
 
-test: setup lint
+test: setup setup-zookeeper lint
 	$(VENV)/bin/pytest -q
 
 sim: setup
