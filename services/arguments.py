@@ -57,6 +57,16 @@ def address_argument(text: str) -> str:
     return text
 
 
+def addresses_argument(text: str) -> str:
+    """argparse type: one or more HOST:PORT addresses, comma-separated (kept as given)."""
+    addresses = [a.strip() for a in text.split(",")]
+    for address in addresses:
+        problem = address_problem(address)
+        if problem is not None:
+            raise argparse.ArgumentTypeError(problem)
+    return ",".join(addresses)
+
+
 def node_id_argument(text: str) -> str:
     """argparse type: a node id."""
     problem = node_id_problem(text)

@@ -1,6 +1,7 @@
 """The `ringq` command: run a coordinator or a node in the foreground, or manage a local cluster.
 
-    ringq coordinator [--listen HOST:PORT] [--db PATH] [--ready-file PATH]
+    ringq coordinator [--listen HOST:PORT] [--ready-file PATH] [--store sqlite] [--db PATH]
+    ringq coordinator [--listen HOST:PORT] [--ready-file PATH] --store zookeeper --zookeeper HOSTS [--zookeeper-root Z]
     ringq node --id ID --coordinator HOST:PORT [--listen HOST:PORT] [--ready-file PATH] [timing flags]
     ringq cluster up --nodes N --dir DIR [--base-port P] [--timeout S]
     ringq cluster status --dir DIR
@@ -83,10 +84,16 @@ def _node_id(text: str) -> str:
 def _run_coordinator(args: argparse.Namespace) -> int:
     from services.coordinator.__main__ import main as coordinator_main
 
-    argv = ["--listen", args.listen, "--db", args.db]
-    if args.ready_file is not None:
-        argv += ["--ready-file", args.ready_file]
-    coordinator_main(argv)
+    argv = ["--listen", args.listen, "--store", args.store]
+    for flag, value in (
+        ("--db", args.db),
+        ("--zookeeper", args.zookeeper),
+        ("--zookeeper-root", args.zookeeper_root),
+        ("--ready-file", args.ready_file),
+    ):
+        if value is not None:
+            argv += [flag, value]
+    coordinator_main(argv, prog="ringq")
     return 0
 
 
@@ -160,7 +167,10 @@ def build_parser() -> argparse.ArgumentParser:
     coordinator.add_argument(
         "--listen", type=address_argument, default="127.0.0.1:7000", help="HOST:PORT (port 0: any)"
     )
-    coordinator.add_argument("--db", default="coordinator.db", help="SQLite file (created if absent)")
+    coordinator.add_argument("--store", choices=("sqlite", "zookeeper"), default="sqlite", help="where records live")
+    coordinator.add_argument("--db", help="sqlite: the SQLite file (created if absent; default coordinator.db)")
+    coordinator.add_argument("--zookeeper", metavar="HOSTS", help="zookeeper: the ensemble, HOST:PORT[,HOST:PORT...]")
+    coordinator.add_argument("--zookeeper-root", metavar="ZNODE", help="zookeeper: the root znode (default /ringq)")
     coordinator.add_argument("--ready-file", help="write the bound HOST:PORT here once listening")
 
     node = command(commands, "node", "run a broker node in the foreground", _run_node)

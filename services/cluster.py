@@ -263,6 +263,29 @@ def start_node(directory: Path | str, node_id: str, *, port: int = 0, timeout: f
     return process
 
 
+def restart_coordinator(directory: Path | str, *, timeout: float = 20.0) -> ProcessInfo:
+    """Start the cluster's coordinator again, on the address the nodes know, after it died.
+
+    The same SQLite file is reopened, so everything acknowledged before the crash is there.
+    Refused if the coordinator is still running.
+    """
+    directory = Path(directory).resolve()
+    with _locked(directory):
+        info = load(directory)
+        if is_alive(info.coordinator):
+            raise ClusterError(f"the coordinator of {directory} is already running (pid {info.coordinator.pid})")
+        port = int(info.coordinator.address.rsplit(":", 1)[1])
+        started: list[_Launch] = []
+        try:
+            launch = _start_coordinator(directory, port, started)
+            (process,) = _await_ready([launch], time.monotonic() + timeout, timeout)
+            _write_record(replace(info, coordinator=process))
+        except BaseException:
+            _stop_launches(started)
+            raise
+    return process
+
+
 def is_alive(process: ProcessInfo) -> bool:
     """Whether `process` is still running: its pid exists, is not a zombie, and is the process recorded."""
     _reap(process.pid)

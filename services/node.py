@@ -29,7 +29,7 @@ from typing import Any
 import grpc
 
 from ringq.v1 import group_pb2, group_pb2_grpc, peer_pb2, peer_pb2_grpc
-from services.arguments import OneLineParser, address_argument, node_id_argument
+from services.arguments import OneLineParser, address_argument, addresses_argument, node_id_argument
 from services.coordinator.client import CoordinatorClient
 from services.coordinator.convert import group_from_proto, group_to_proto
 from services.coordinator.group_table import Group, GroupChange, Outcome
@@ -43,6 +43,9 @@ from services.gm.ring import NotJoined, RingMember
 log = logging.getLogger("ringq.node")
 
 MAX_PAYLOAD_BYTES = 16 * 1024 * 1024
+COORDINATOR_RETRY_SECONDS = 7 * 24 * 3600.0
+# A third of the coordinator's default liveness timeout (5 s).
+HEARTBEAT_TO_COORDINATOR_SECONDS = 1.5
 # gRPC refuses a message over its limits before any handler sees it, so the
 # server's limits leave room for several payloads of the largest size: larger
 # requests get RESOURCE_EXHAUSTED from gRPC itself.
@@ -97,6 +100,16 @@ class Node:
     async def start(self) -> None:
         await self.coordinator.register_node(self.id, self.address)
         self._detector = asyncio.ensure_future(self._detect_failures())
+        self._tasks.add(asyncio.ensure_future(self._heartbeat()))
+
+    async def _heartbeat(self) -> None:
+        """Tell the coordinator this node is alive (it places replicas on live nodes only)."""
+        while True:
+            try:
+                await self.coordinator.node_heartbeat(self.id)
+            except grpc.aio.AioRpcError as error:
+                log.warning("heartbeat to the coordinator failed: %s", error.code().name)
+            await asyncio.sleep(HEARTBEAT_TO_COORDINATOR_SECONDS)
 
     async def stop(self, timeout: float = 3.0) -> None:
         for member in list(self.members.values()):
@@ -106,6 +119,8 @@ class Node:
             await asyncio.wait([asyncio.ensure_future(w) for w in waits], timeout=timeout)
         if self._detector is not None:
             self._detector.cancel()
+        for task in self._tasks:
+            task.cancel()
         await self.links.close()
         for channel in self._peer_channels.values():
             await channel.close(grace=None)
@@ -397,7 +412,10 @@ async def serve(node_id: str, listen: str, coordinator: str, settings: NodeSetti
         raise OSError(f"cannot listen on {listen}")
     host = listen.rsplit(":", 1)[0]
     address = f"{host}:{port}"
-    node = Node(node_id, address, CoordinatorClient(coordinator), settings)
+    # Membership changes wait for the coordinator as long as it takes: a ring
+    # cannot change its view without it, and giving up would stop the member.
+    client = CoordinatorClient(coordinator, retry_seconds=COORDINATOR_RETRY_SECONDS)
+    node = Node(node_id, address, client, settings)
     group_pb2_grpc.add_GroupServiceServicer_to_server(GroupServicer(node), server)
     peer_pb2_grpc.add_PeerServiceServicer_to_server(PeerServicer(node), server)
     await server.start()
@@ -433,7 +451,12 @@ def parser() -> argparse.ArgumentParser:
     out.add_argument(
         "--listen", default="127.0.0.1:7100", type=address_argument, help="HOST:PORT to serve on (port 0: any)"
     )
-    out.add_argument("--coordinator", required=True, type=address_argument, help="the coordinator's HOST:PORT")
+    out.add_argument(
+        "--coordinator",
+        required=True,
+        type=addresses_argument,
+        help="the coordinator's HOST:PORT (several, comma-separated, with the ZooKeeper store)",
+    )
     out.add_argument("--ready-file", help="write the bound HOST:PORT here once serving")
     out.add_argument("--flush-interval-ms", type=_millis, default=str(defaults.flush_interval * 1000))
     out.add_argument("--heartbeat-interval-ms", type=_millis, default=str(defaults.heartbeat_interval * 1000))

@@ -1,4 +1,5 @@
-"""The coordinator as a real process: acknowledged writes survive SIGKILL mid-burst."""
+"""The coordinator as a real process: acknowledged writes survive SIGKILL mid-burst (SQLite); two
+coordinators share one ZooKeeper; bad arguments are refused with one line."""
 
 from __future__ import annotations
 
@@ -11,14 +12,16 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+import uuid
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import IO
 
 import pytest
 
+from services.coordinator.__main__ import main as coordinator_main
 from services.coordinator.client import CoordinatorClient
-from services.coordinator.group_table import AddMember, CreateGroup, GroupMember, Outcome
+from services.coordinator.group_table import AddMember, CreateGroup, Group, GroupMember, MarkMemberDead, Outcome
 
 REPO = Path(__file__).resolve().parents[1]
 ROOT = GroupMember("root", "n0")
@@ -26,10 +29,14 @@ ROOT = GroupMember("root", "n0")
 pytestmark = pytest.mark.integration
 
 
-def start(db: Path, ready: Path, listen: str, log: IO[bytes]) -> tuple[subprocess.Popen[bytes], str]:
-    """Start the coordinator and wait for it to write its bound address to `ready`."""
+def start(
+    db: Path | None, ready: Path, listen: str, log: IO[bytes], store_args: Sequence[str] = ()
+) -> tuple[subprocess.Popen[bytes], str]:
+    """Start the coordinator (on the SQLite file `db`, or as `store_args` say) and wait for its bound address."""
     ready.unlink(missing_ok=True)
-    command = [sys.executable, "-m", "services.coordinator", "--listen", listen, "--db", str(db)]
+    command = [sys.executable, "-m", "services.coordinator", "--listen", listen, *store_args]
+    if db is not None:
+        command += ["--db", str(db)]
     proc = subprocess.Popen([*command, "--ready-file", str(ready)], cwd=REPO, stdout=log, stderr=log)
     deadline = time.monotonic() + 20
     while not ready.exists():
@@ -80,10 +87,12 @@ def members_on_disk(db: Path) -> tuple[list[str], int]:
     raw = sqlite3.connect(db)
     try:
         assert raw.execute("PRAGMA integrity_check").fetchall() == [("ok",)]
-        version, members = raw.execute("SELECT version, members FROM groups WHERE name = 'g'").fetchone()
+        version, value = raw.execute("SELECT version, value FROM records WHERE kind = 'group' AND key = 'g'").fetchone()
+        logged = raw.execute("SELECT COUNT(*) FROM changes WHERE kind = 'group' AND key = 'g'").fetchone()[0]
     finally:
         raw.close()
-    return [entry[0] for entry in json.loads(members)], int(version)
+    assert logged == version  # every write of g is in the change log, atomically with it
+    return [entry["id"] for entry in json.loads(value)["members"]], int(version)
 
 
 def test_acknowledged_writes_survive_sigkill(tmp_path: Path) -> None:
@@ -149,3 +158,76 @@ def test_bad_arguments_exit_2() -> None:
     )
     assert result.returncode == 2
     assert "expected HOST:PORT, got 'nowhere'" in result.stderr
+
+
+def test_two_coordinators_share_one_zookeeper(tmp_path: Path, zookeeper: str) -> None:
+    """A change made through one coordinator is read at once through the other; either may die."""
+    store_args = ["--store", "zookeeper", "--zookeeper", zookeeper, "--zookeeper-root", f"/test-{uuid.uuid4().hex}"]
+    procs: list[subprocess.Popen[bytes]] = []
+    with open(tmp_path / "coordinators.log", "wb") as log:
+        try:
+            for name in ("a", "b"):
+                proc, address = start(None, tmp_path / f"ready-{name}", "127.0.0.1:0", log, store_args)
+                procs.append(proc)
+                (tmp_path / f"address-{name}").write_text(address)
+            address_a, address_b = ((tmp_path / f"address-{n}").read_text() for n in ("a", "b"))
+            a, b = GroupMember("a", "n1"), GroupMember("b", "n2")
+
+            async def through_both() -> None:
+                async with CoordinatorClient(address_a) as one, CoordinatorClient(address_b) as two:
+                    assert await one.change_group("g", CreateGroup(0, ROOT)) == (
+                        Outcome.APPLIED,
+                        Group("g", 1, (ROOT,)),
+                    )
+                    assert await two.read_group("g") == Group("g", 1, (ROOT,))
+                    assert (await two.change_group("g", AddMember(1, "root", a)))[0] is Outcome.APPLIED
+                    # The same change decided from version 1 through the other coordinator: refused.
+                    assert await one.change_group("g", AddMember(1, "root", b)) == (
+                        Outcome.VERSION_CONFLICT,
+                        Group("g", 2, (ROOT, a)),
+                    )
+                    await one.register_node("n1", "127.0.0.1:7001")
+                    assert await two.list_nodes() == [("n1", "127.0.0.1:7001")]
+
+            asyncio.run(through_both())
+            os.kill(procs[0].pid, signal.SIGKILL)
+            assert procs[0].wait() == -signal.SIGKILL
+
+            async def survivor() -> None:
+                async with CoordinatorClient(address_b) as two:
+                    outcome, group = await two.change_group("g", MarkMemberDead(2, "a", "root"))
+                    assert (outcome, group.version) == (Outcome.APPLIED, 3)
+
+            asyncio.run(survivor())
+            procs[1].send_signal(signal.SIGTERM)
+            assert procs[1].wait(10) == 0
+        finally:
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--store", "etcd"], "argument --store: invalid choice: 'etcd'"),
+        (["--store", "zookeeper"], "--store zookeeper needs --zookeeper HOST:PORT[,HOST:PORT...]"),
+        (["--store", "zookeeper", "--zookeeper", "nowhere"], "expected HOST:PORT[,HOST:PORT...], got 'nowhere'"),
+        (["--store", "zookeeper", "--zookeeper", "h:1,"], "expected HOST:PORT[,HOST:PORT...], got 'h:1,'"),
+        (["--store", "zookeeper", "--zookeeper", "h:1", "--db", "c.db"], "--db applies only to --store sqlite"),
+        (["--store", "zookeeper", "--zookeeper", "h:1", "--zookeeper-root", "ringq"], "absolute znode path"),
+        (["--store", "zookeeper", "--zookeeper", "h:1", "--zookeeper-root", "/a//b"], "absolute znode path"),
+        (["--zookeeper", "h:1"], "--zookeeper and --zookeeper-root apply only to --store zookeeper"),
+        (["--zookeeper-root", "/x"], "--zookeeper and --zookeeper-root apply only to --store zookeeper"),
+    ],
+)
+def test_bad_store_arguments_exit_2_with_one_line(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exited:
+        coordinator_main(argv)
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("python -m services.coordinator: error: "), err
+    assert message in err

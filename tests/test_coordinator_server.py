@@ -22,7 +22,7 @@ from services.coordinator.group_table import (
     Outcome,
 )
 from services.coordinator.server import create_server
-from services.coordinator.store import SqliteStore
+from services.coordinator.sqlite_store import SqliteStore
 
 A, B, C = GroupMember("a", "n1"), GroupMember("b", "n2"), GroupMember("c", "n3")
 

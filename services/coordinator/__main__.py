@@ -1,12 +1,25 @@
-"""Run the coordinator: python -m services.coordinator --listen HOST:PORT --db PATH [--ready-file PATH]."""
+"""Run the coordinator:
+
+    python -m services.coordinator [--listen HOST:PORT] [--ready-file PATH]
+        [--store sqlite] [--db PATH]
+        --store zookeeper --zookeeper HOST:PORT[,HOST:PORT...] [--zookeeper-root /ZNODE]
+
+Bad usage exits 2 with one line on stderr; a ZooKeeper that cannot be reached at start exits 1 with one line.
+"""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
 import logging
+import sys
 
+from services.arguments import OneLineParser, address_problem
 from services.coordinator.server import serve
+from services.coordinator.store import StoreUnavailable
+
+DEFAULT_DB = "./coordinator.db"
+DEFAULT_ZOOKEEPER_ROOT = "/ringq"
 
 
 def _address(text: str) -> str:
@@ -16,14 +29,63 @@ def _address(text: str) -> str:
     return text
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m services.coordinator", description=__doc__)
+def _hosts(text: str) -> str:
+    """argparse type: a ZooKeeper connection string, HOST:PORT[,HOST:PORT...]."""
+    for host in text.split(","):
+        if address_problem(host) is not None:
+            raise argparse.ArgumentTypeError(f"expected HOST:PORT[,HOST:PORT...], got {text!r}")
+    return text
+
+
+def _znode(text: str) -> str:
+    """argparse type: an absolute znode path such as /ringq."""
+    parts = text.split("/")
+    if len(text) < 2 or parts[0] or any(p in ("", ".", "..") for p in parts[1:]) or not text.isprintable():
+        raise argparse.ArgumentTypeError(f"expected an absolute znode path such as /ringq, got {text!r}")
+    return text
+
+
+def main(argv: list[str] | None = None, *, prog: str = "python -m services.coordinator") -> None:
+    """Run the coordinator with `argv`; `prog` starts usage errors (the ringq command passes "ringq")."""
+    parser = OneLineParser(
+        prog=prog,
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--listen", type=_address, default="127.0.0.1:7000", help="HOST:PORT (port 0: any)")
-    parser.add_argument("--db", default="./coordinator.db", help="SQLite file (created if absent)")
+    parser.add_argument("--store", choices=("sqlite", "zookeeper"), default="sqlite", help="where records are kept")
+    parser.add_argument("--db", help=f"sqlite: the SQLite file (created if absent; default {DEFAULT_DB})")
+    parser.add_argument("--zookeeper", type=_hosts, metavar="HOSTS", help="zookeeper: the ensemble, HOST:PORT[,...]")
+    parser.add_argument(
+        "--zookeeper-root",
+        type=_znode,
+        metavar="ZNODE",
+        help=f"zookeeper: the root znode (default {DEFAULT_ZOOKEEPER_ROOT})",
+    )
     parser.add_argument("--ready-file", help="write the bound HOST:PORT here once listening")
     args = parser.parse_args(argv)
+    if args.store == "zookeeper":
+        if args.zookeeper is None:
+            parser.error("--store zookeeper needs --zookeeper HOST:PORT[,HOST:PORT...]")
+        if args.db is not None:
+            parser.error("--db applies only to --store sqlite")
+    elif args.zookeeper is not None or args.zookeeper_root is not None:
+        parser.error("--zookeeper and --zookeeper-root apply only to --store zookeeper")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s coordinator %(levelname)s %(message)s")
-    asyncio.run(serve(args.listen, args.db, args.ready_file))
+    try:
+        asyncio.run(
+            serve(
+                args.listen,
+                (args.db or DEFAULT_DB) if args.store == "sqlite" else None,
+                args.ready_file,
+                store_kind=args.store,
+                zookeeper_hosts=args.zookeeper,
+                zookeeper_root=args.zookeeper_root or DEFAULT_ZOOKEEPER_ROOT,
+            )
+        )
+    except StoreUnavailable as exc:
+        print(f"{parser.prog}: {exc}", file=sys.stderr)
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -1,15 +1,19 @@
 """An async client of CoordinatorService that waits out coordinator outages.
 
-UNAVAILABLE and DEADLINE_EXCEEDED are retried with exponential backoff (50 ms
-doubling to 1 s) for up to `retry_seconds`; any other error is raised at once.
+It knows one or more coordinator addresses (with the ZooKeeper store, any
+coordinator serves any call). UNAVAILABLE (the coordinator, or the store
+behind it, cannot be reached) and DEADLINE_EXCEEDED move the client to the
+next address and are retried with exponential backoff (50 ms doubling to
+1 s) for up to `retry_seconds`; any other error is raised at once.
 A retried group change is still a compare-and-set: if an earlier attempt did
 land, the retry answers VERSION_CONFLICT with the group that already holds it.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from types import TracebackType
-from typing import Self, TypeVar
+from typing import TYPE_CHECKING, Self, TypeVar
 
 import grpc
 from tenacity import AsyncRetrying, retry_if_exception, stop_after_delay, wait_exponential
@@ -46,41 +50,70 @@ def _retry_policy(retry_seconds: float) -> AsyncRetrying:
     )
 
 
-class CoordinatorClient:
-    """Calls the coordinator at `address` (host:port); use from one event loop."""
+if TYPE_CHECKING:
+    from ringq.v1.coordinator_pb2_grpc import CoordinatorServiceAsyncStub as Stub
 
-    def __init__(self, address: str, *, timeout: float = 5.0, retry_seconds: float = 30.0) -> None:
-        self._channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
-        self._stub = coordinator_pb2_grpc.CoordinatorServiceStub(self._channel)
+
+class CoordinatorClient:
+    """Calls the coordinators at `addresses` ("host:port", a list, or a comma-separated
+    string), sticking to one until it fails; use from one event loop."""
+
+    def __init__(self, addresses: str | Sequence[str], *, timeout: float = 5.0, retry_seconds: float = 30.0) -> None:
+        if isinstance(addresses, str):
+            addresses = [a.strip() for a in addresses.split(",") if a.strip()]
+        if not addresses:
+            raise ValueError("at least one coordinator address is needed")
+        self.addresses = list(addresses)
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._current = 0
         self._timeout = timeout
         self._retry_seconds = retry_seconds
 
+    @property
+    def current_address(self) -> str:
+        """The coordinator the next call goes to."""
+        return self.addresses[self._current]
+
+    def _stub(self) -> Stub:
+        address = self.current_address
+        channel = self._channels.get(address)
+        if channel is None:
+            channel = self._channels[address] = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        return coordinator_pb2_grpc.CoordinatorServiceStub(channel)
+
     async def read_group(self, name: str) -> Group:
-        response = await self._call(self._stub.ReadGroup, coordinator_pb2.ReadGroupRequest(group=name))
+        response = await self._call(lambda stub: stub.ReadGroup, coordinator_pb2.ReadGroupRequest(group=name))
         return group_from_proto(response.group)
 
     async def change_group(self, name: str, change: GroupChange) -> tuple[Outcome, Group]:
         request = change_to_request(name, change)
         if isinstance(request, coordinator_pb2.CreateGroupRequest):
-            response = await self._call(self._stub.CreateGroup, request)
+            response = await self._call(lambda stub: stub.CreateGroup, request)
         elif isinstance(request, coordinator_pb2.AddMemberRequest):
-            response = await self._call(self._stub.AddMember, request)
+            response = await self._call(lambda stub: stub.AddMember, request)
         elif isinstance(request, coordinator_pb2.MarkMemberDeadRequest):
-            response = await self._call(self._stub.MarkMemberDead, request)
+            response = await self._call(lambda stub: stub.MarkMemberDead, request)
         else:
-            response = await self._call(self._stub.EraseMembers, request)
+            response = await self._call(lambda stub: stub.EraseMembers, request)
         return outcome_from_proto(response.outcome), group_from_proto(response.group)
 
     async def register_node(self, node: str, address: str) -> None:
         request = coordinator_pb2.RegisterNodeRequest(node=node, address=address)
-        await self._call(self._stub.RegisterNode, request)
+        await self._call(lambda stub: stub.RegisterNode, request)
 
     async def list_nodes(self) -> list[tuple[str, str]]:
-        response = await self._call(self._stub.ListNodes, coordinator_pb2.ListNodesRequest())
+        response = await self._call(lambda stub: stub.ListNodes, coordinator_pb2.ListNodesRequest())
         return [(record.node, record.address) for record in response.nodes]
 
+    async def node_heartbeat(self, node: str) -> None:
+        await self._call(lambda stub: stub.NodeHeartbeat, coordinator_pb2.NodeHeartbeatRequest(node=node))
+
+    async def cluster_status(self) -> coordinator_pb2.ClusterStatusResponse:
+        return await self._call(lambda stub: stub.ClusterStatus, coordinator_pb2.ClusterStatusRequest())
+
     async def close(self) -> None:
-        await self._channel.close(None)
+        for channel in self._channels.values():
+            await channel.close(None)
 
     async def __aenter__(self) -> Self:
         return self
@@ -90,8 +123,15 @@ class CoordinatorClient:
     ) -> None:
         await self.close()
 
-    async def _call(self, method: grpc.aio.UnaryUnaryMultiCallable[_Req, _Resp], request: _Req) -> _Resp:
+    async def _call(
+        self, method: Callable[[Stub], grpc.aio.UnaryUnaryMultiCallable[_Req, _Resp]], request: _Req
+    ) -> _Resp:
         async for attempt in _retry_policy(self._retry_seconds):
             with attempt:
-                return await method(request, timeout=self._timeout)
+                try:
+                    return await method(self._stub())(request, timeout=self._timeout)
+                except grpc.aio.AioRpcError as error:
+                    if _retryable(error):
+                        self._current = (self._current + 1) % len(self.addresses)
+                    raise
         raise AssertionError("unreachable: the retry policy reraises the last error")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 from ringq.v1 import coordinator_pb2, group_table_pb2
 from services.coordinator.group_table import (
     AddMember,
@@ -13,6 +15,10 @@ from services.coordinator.group_table import (
     MarkMemberDead,
     Outcome,
 )
+from services.coordinator.leases import Lease
+from services.coordinator.metadata import QueueRecord
+from services.coordinator.policies import Policy, parse_definition
+from services.coordinator.records import NodeRecord
 
 ChangeRequest = (
     coordinator_pb2.CreateGroupRequest
@@ -92,3 +98,85 @@ def change_from_request(request: ChangeRequest) -> tuple[str, GroupChange]:
     else:
         change = EraseMembers(version, tuple(request.members), request.actor)
     return request.group, change
+
+
+# ------------------------------------------------------------------------------- metadata records
+
+REPLICATION_TO_PROTO = {
+    "none": coordinator_pb2.REPLICATION_LEVEL_NONE,
+    "wiring": coordinator_pb2.REPLICATION_LEVEL_WIRING,
+    "all": coordinator_pb2.REPLICATION_LEVEL_ALL,
+}
+REPLICATION_FROM_PROTO = {value: name for name, value in REPLICATION_TO_PROTO.items()}
+
+
+def node_to_proto(node: NodeRecord, alive: bool) -> coordinator_pb2.NodeRecord:
+    return coordinator_pb2.NodeRecord(
+        node=node.node,
+        address=node.address,
+        draining=node.draining,
+        alive=alive,
+        last_heartbeat_unix_ms=node.last_heartbeat_unix_ms or 0,
+    )
+
+
+def queue_to_proto(queue: QueueRecord) -> coordinator_pb2.QueueRecord:
+    return coordinator_pb2.QueueRecord(
+        vhost=queue.vhost,
+        name=queue.name,
+        durable=queue.durable,
+        auto_delete=queue.auto_delete,
+        exclusive_owner=queue.exclusive_owner,
+        arguments=dict(queue.arguments),
+        master=queue.master,
+        mirrors=queue.mirrors,
+        synchronised_mirrors=queue.synchronised_mirrors,
+        policy=queue.policy,
+        policy_definition_json=json.dumps(dict(queue.policy_definition), sort_keys=True),
+        gm_group=queue.gm_group,
+        replication=REPLICATION_TO_PROTO.get(queue.replication, coordinator_pb2.REPLICATION_LEVEL_UNSPECIFIED),
+        version=queue.version,
+    )
+
+
+def queue_from_proto(pb: coordinator_pb2.QueueRecord) -> QueueRecord:
+    """The record's fields; raises ValueError for an unparsable policy definition."""
+    return QueueRecord(
+        vhost=pb.vhost,
+        name=pb.name,
+        durable=pb.durable,
+        auto_delete=pb.auto_delete,
+        exclusive_owner=pb.exclusive_owner,
+        arguments=dict(pb.arguments),
+        master=pb.master,
+        mirrors=tuple(pb.mirrors),
+        synchronised_mirrors=tuple(pb.synchronised_mirrors),
+        policy=pb.policy,
+        policy_definition=json.loads(pb.policy_definition_json or "{}"),
+        gm_group=pb.gm_group,
+        replication=REPLICATION_FROM_PROTO.get(pb.replication, "all"),
+        version=pb.version,
+    )
+
+
+def policy_to_proto(policy: Policy) -> coordinator_pb2.Policy:
+    return coordinator_pb2.Policy(
+        vhost=policy.vhost,
+        name=policy.name,
+        pattern=policy.pattern,
+        definition_json=json.dumps(dict(policy.definition), sort_keys=True),
+        priority=policy.priority,
+        apply_to=policy.apply_to,
+    )
+
+
+def policy_from_proto(pb: coordinator_pb2.Policy) -> Policy:
+    """The policy; PolicyError (key "definition") if its definition is not a JSON object."""
+    definition = parse_definition(pb.definition_json)
+    return Policy(pb.vhost or "/", pb.name, pb.pattern, definition, pb.priority, pb.apply_to or "queues")
+
+
+def lease_to_proto(lease: Lease) -> coordinator_pb2.Lease:
+    return coordinator_pb2.Lease(
+        name=lease.name, holder=lease.holder, token=lease.token, expires_at_unix_ms=lease.expires_at_ms
+    )

@@ -1,7 +1,9 @@
 """The coordinator's gRPC service: CoordinatorService over a `Store`.
 
 Validates every request (INVALID_ARGUMENT names the offending field), then runs
-the store call in a worker thread so the event loop never blocks on SQLite.
+the store call (services/coordinator/records.py) in a worker thread so the
+event loop never blocks on SQLite or ZooKeeper. A store that cannot be reached
+(StoreUnavailable) answers UNAVAILABLE, which CoordinatorClient retries.
 """
 
 from __future__ import annotations
@@ -12,13 +14,24 @@ import logging
 import os
 import re
 import signal
-from typing import Any
+from collections.abc import Callable
+from typing import Any, Literal, ParamSpec, TypeVar
 
 import grpc
 
 from ringq.v1 import coordinator_pb2, coordinator_pb2_grpc, group_table_pb2
-from services.coordinator.convert import ChangeRequest, change_from_request, group_to_proto, outcome_to_proto
-from services.coordinator.store import SqliteStore, Store
+from services.coordinator import records
+from services.coordinator.convert import (
+    ChangeRequest,
+    change_from_request,
+    group_to_proto,
+    node_to_proto,
+    outcome_to_proto,
+)
+from services.coordinator.metadata_service import COORDINATOR, MetadataRpcs, now_ms
+from services.coordinator.sqlite_store import SqliteStore
+from services.coordinator.store import MAX_KEY_LENGTH, Store, StoreUnavailable
+from services.coordinator.watch import ChangeFeed
 
 log = logging.getLogger(__name__)
 
@@ -26,6 +39,10 @@ MAX_GROUP_NAME = 200
 _GROUP_NAME = re.compile(r"[A-Za-z0-9._:-]+")
 _SERVICE = coordinator_pb2.DESCRIPTOR.services_by_name["CoordinatorService"].full_name
 _Context = grpc.aio.ServicerContext[Any, Any]
+_P = ParamSpec("_P")
+_T = TypeVar("_T")
+StoreKind = Literal["sqlite", "zookeeper"]
+DEFAULT_LIVENESS_MS = 5000
 
 
 def group_name_problem(name: str) -> str | None:
@@ -41,6 +58,17 @@ def group_name_problem(name: str) -> str | None:
 
 def _empty(field: str, value: str) -> str | None:
     return f"{field} must not be empty" if not value else None
+
+
+def _key(field: str, value: str) -> str | None:
+    """Why `value` cannot be a store key (node ids are keys), or None."""
+    if problem := _empty(field, value):
+        return problem
+    if len(value) > MAX_KEY_LENGTH:
+        return f"{field} must be at most {MAX_KEY_LENGTH} characters, got {len(value)}"
+    if not value.isprintable():
+        return f"{field} must be printable, got {value!r}"
+    return None
 
 
 def _new_member(field: str, member: group_table_pb2.GroupMember) -> str | None:
@@ -69,17 +97,19 @@ async def _reject(context: _Context, problem: str | None) -> None:
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
 
 
-class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
-    """Serves the group table and the node registry held by a `Store`."""
+class CoordinatorServicer(MetadataRpcs, coordinator_pb2_grpc.CoordinatorServiceServicer):
+    """Serves everything held by a `Store`: group tables and nodes here, the rest in MetadataRpcs."""
 
-    def __init__(self, store: Store) -> None:
+    def __init__(self, store: Store, feed: ChangeFeed, liveness_ms: int = DEFAULT_LIVENESS_MS) -> None:
         self._store = store
+        self._feed = feed
+        self._liveness_ms = liveness_ms
 
     async def ReadGroup(
         self, request: coordinator_pb2.ReadGroupRequest, context: _Context
     ) -> coordinator_pb2.ReadGroupResponse:
         await _reject(context, group_name_problem(request.group))
-        group = await asyncio.to_thread(self._store.read_group, request.group)
+        group = await _run(context, records.read_group, self._store, request.group)
         return coordinator_pb2.ReadGroupResponse(group=group_to_proto(group))
 
     async def CreateGroup(
@@ -105,32 +135,91 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
     async def RegisterNode(
         self, request: coordinator_pb2.RegisterNodeRequest, context: _Context
     ) -> coordinator_pb2.RegisterNodeResponse:
-        await _reject(context, _empty("node", request.node) or _empty("address", request.address))
-        await asyncio.to_thread(self._store.register_node, request.node, request.address)
+        await _reject(context, _key("node", request.node) or _key("address", request.address))
+        await _run(context, records.register_node, self._store, request.node, request.address)
         return coordinator_pb2.RegisterNodeResponse()
 
     async def ListNodes(
         self, request: coordinator_pb2.ListNodesRequest, context: _Context
     ) -> coordinator_pb2.ListNodesResponse:
-        nodes = await asyncio.to_thread(self._store.list_nodes)
-        records = [coordinator_pb2.NodeRecord(node=node, address=address) for node, address in nodes]
-        return coordinator_pb2.ListNodesResponse(nodes=records)
+        nodes = await _run(context, records.list_nodes, self._store)
+        return coordinator_pb2.ListNodesResponse(
+            nodes=[node_to_proto(n, self._alive(n.last_heartbeat_unix_ms)) for n in nodes]
+        )
 
     async def _change(self, request: ChangeRequest, context: _Context) -> coordinator_pb2.GroupChangeResponse:
         await _reject(context, change_problem(request))
         name, change = change_from_request(request)
-        outcome, group = await asyncio.to_thread(self._store.change_group, name, change)
+        outcome, group = await _run(context, records.change_group, self._store, name, change)
         return coordinator_pb2.GroupChangeResponse(outcome=outcome_to_proto(outcome), group=group_to_proto(group))
 
 
-async def create_server(address: str, store: Store) -> tuple[grpc.aio.Server, int]:
-    """Start serving `store` on `address` (port 0 picks a free port); returns the server and its port."""
+async def _run(context: _Context, call: Callable[_P, _T], *args: _P.args, **kwargs: _P.kwargs) -> _T:
+    """`call` in a worker thread; a store that cannot be reached answers UNAVAILABLE."""
+    try:
+        return await asyncio.to_thread(call, *args, **kwargs)
+    except StoreUnavailable as exc:
+        await context.abort(grpc.StatusCode.UNAVAILABLE, f"the coordinator's store is unavailable: {exc}")
+        raise  # abort raises; this keeps type checkers informed
+
+
+def open_store(
+    kind: StoreKind = "sqlite",
+    *,
+    db_path: str | None = None,
+    zookeeper_hosts: str | None = None,
+    zookeeper_root: str = "/ringq",
+) -> Store:
+    """Open the store the coordinator serves (blocking; ZooKeeper: StoreUnavailable if unreachable)."""
+    if kind == "sqlite":
+        if db_path is None:
+            raise ValueError("the sqlite store needs db_path")
+        return SqliteStore(db_path)
+    if kind == "zookeeper":
+        if zookeeper_hosts is None:
+            raise ValueError("the zookeeper store needs zookeeper_hosts")
+        from services.coordinator.zookeeper_store import ZooKeeperStore  # kazoo is needed only here
+
+        return ZooKeeperStore(zookeeper_hosts, zookeeper_root)
+    raise ValueError(f"unknown store kind {kind!r}")
+
+
+async def create_server(
+    address: str, store: Store, *, liveness_ms: int = DEFAULT_LIVENESS_MS
+) -> tuple[grpc.aio.Server, int]:
+    """Start serving `store` on `address` (port 0 picks a free port); returns the server and its port.
+
+    Also starts, for the life of the event loop, the change feed behind Watch
+    and this coordinator's registration (so cluster_status lists it).
+    """
     server = grpc.aio.server()
-    coordinator_pb2_grpc.add_CoordinatorServiceServicer_to_server(CoordinatorServicer(store), server)
+    feed = ChangeFeed(store)
+    await feed.start()
+    coordinator_pb2_grpc.add_CoordinatorServiceServicer_to_server(CoordinatorServicer(store, feed, liveness_ms), server)
     await _add_health_service(server)
     port = server.add_insecure_port(address)
     await server.start()
+    advertised = f"{address.rsplit(':', 1)[0]}:{port}"
+    _background.add(asyncio.ensure_future(_register_coordinator(store, advertised, liveness_ms)))
     return server, port
+
+
+_background: set[asyncio.Future[None]] = set()
+
+
+async def _register_coordinator(store: Store, address: str, liveness_ms: int) -> None:
+    """Refresh this coordinator's registration a few times per liveness timeout."""
+    while True:
+        try:
+            await asyncio.to_thread(_refresh_registration, store, address)
+        except StoreUnavailable as error:
+            log.warning("cannot refresh the coordinator's registration: %s", error)
+        await asyncio.sleep(liveness_ms / 3000)
+
+
+def _refresh_registration(store: Store, address: str) -> None:
+    current = store.get(COORDINATOR, address)
+    store.put(COORDINATOR, address, {"at_unix_ms": now_ms()}, current.version if current else 0)
 
 
 async def _add_health_service(server: grpc.aio.Server) -> None:
@@ -147,9 +236,24 @@ async def _add_health_service(server: grpc.aio.Server) -> None:
     health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
 
 
-async def serve(listen: str, db_path: str, ready_file: str | None = None) -> None:
-    """Serve the store at `db_path` on `listen` until SIGTERM or SIGINT, then stop with a 1 s grace."""
-    store = SqliteStore(db_path)
+async def serve(
+    listen: str,
+    db_path: str | None = None,
+    ready_file: str | None = None,
+    *,
+    store_kind: StoreKind = "sqlite",
+    zookeeper_hosts: str | None = None,
+    zookeeper_root: str = "/ringq",
+) -> None:
+    """Serve a store on `listen` until SIGTERM or SIGINT, then stop with a 1 s grace.
+
+    The store is the SQLite file `db_path` (store_kind "sqlite") or the znodes under
+    `zookeeper_root` of the ensemble `zookeeper_hosts` (store_kind "zookeeper").
+    """
+    store = await asyncio.to_thread(
+        open_store, store_kind, db_path=db_path, zookeeper_hosts=zookeeper_hosts, zookeeper_root=zookeeper_root
+    )
+    where = f"db {db_path}" if store_kind == "sqlite" else f"zookeeper {zookeeper_hosts} {zookeeper_root}"
     try:
         server, port = await create_server(listen, store)
         try:
@@ -158,7 +262,7 @@ async def serve(listen: str, db_path: str, ready_file: str | None = None) -> Non
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.add_signal_handler(sig, stop.set)
             bound = f"{listen.rsplit(':', 1)[0]}:{port}"
-            log.info("coordinator listening on %s (db %s)", bound, db_path)
+            log.info("coordinator listening on %s (%s)", bound, where)
             if ready_file is not None:
                 _write_atomically(ready_file, bound)
             await stop.wait()

@@ -1,118 +1,95 @@
-"""The coordinator's durable store: group tables and broker node addresses.
+"""The contract every coordinator store meets: versioned records with
+compare-and-set, and a change log to watch.
 
-Responsible for: persisting `Group` values and node records in one SQLite
-file, and running every group change as a compare-and-set through
-`group_table.apply`.
-Guarantees: `change_group` reads, decides and writes in one `BEGIN IMMEDIATE`
-transaction, so two changes computed from the same version never both apply,
-even from separate connections or processes on the same file; a change whose
-call has returned is durable (WAL with synchronous=FULL survives kill -9 and
-power loss); a group that was never written reads as version 0 with no members.
-Every method is synchronous and safe to call from any thread.
+Responsible for: the interface between the coordinator's logic (group
+tables, nodes, queues, policies, leases: services/coordinator/records.py) and
+where it is kept: one SQLite file (sqlite_store.py, the default) or a
+ZooKeeper ensemble (zookeeper_store.py, several coordinators). Both pass the
+same contract tests (tests/test_store_contract.py).
+
+Guarantees every implementation gives:
+- A record is a JSON object under (kind, key) with a version: 1 when
+  created, +1 on every change, never reused while the record exists.
+- `put` and `delete` are compare-and-set on that version: of several writers
+  that read the same version, exactly one succeeds; the others get a
+  conflict and re-read. A write that has returned is durable.
+- Reads are linearizable: a `get` or `list` that begins after a write
+  returned sees it (ZooKeeper syncs before reading), whichever coordinator
+  process serves the read.
+- Every successful `put` and `delete` appends one `Change` to a store-wide
+  log, atomically with the write; revisions strictly increase. The log keeps
+  at least the last `CHANGE_LOG_RETAINED` changes; reading from a revision
+  older than that raises `ChangesTrimmed` (the reader re-lists).
 """
 
 from __future__ import annotations
 
-import json
-import sqlite3
-import threading
-from typing import Protocol
+import builtins
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol
 
-from services.coordinator import group_table
-from services.coordinator.group_table import Group, GroupChange, GroupMember, Outcome
+# Kinds and keys name ZooKeeper znodes and SQLite rows: keep them printable.
+MAX_KEY_LENGTH = 512
+CHANGE_LOG_RETAINED = 10_000
 
-_BUSY_TIMEOUT_MS = 10_000
 
-_SCHEMA = (
-    "CREATE TABLE IF NOT EXISTS groups ("
-    " name TEXT PRIMARY KEY, version INTEGER NOT NULL, members TEXT NOT NULL) STRICT",
-    "CREATE TABLE IF NOT EXISTS nodes (node TEXT PRIMARY KEY, address TEXT NOT NULL) STRICT",
-)
+@dataclass(frozen=True)
+class Record:
+    """One stored record."""
+
+    kind: str
+    key: str
+    value: Mapping[str, Any]
+    version: int
+
+
+@dataclass(frozen=True)
+class Change:
+    """One entry of the change log: `record` is None when the record was deleted."""
+
+    revision: int
+    kind: str
+    key: str
+    record: Record | None
+
+
+class ChangesTrimmed(Exception):
+    """The requested revision is older than the retained change log."""
+
+
+class StoreUnavailable(Exception):
+    """The store cannot be reached (ZooKeeper lost its session or quorum)."""
 
 
 class Store(Protocol):
-    """What the coordinator server needs from a store."""
+    """Versioned records with compare-and-set and a change log (see the module docstring)."""
 
-    def read_group(self, name: str) -> Group: ...
+    # "sqlite" or "zookeeper", for cluster_status.
+    kind_name: str
 
-    def change_group(self, name: str, change: GroupChange) -> tuple[Outcome, Group]: ...
+    def get(self, kind: str, key: str) -> Record | None:
+        """The record, or None if absent."""
+        ...
 
-    def register_node(self, node: str, address: str) -> None: ...
+    def list(self, kind: str) -> list[Record]:
+        """Every record of `kind`, sorted by key."""
+        ...
 
-    def list_nodes(self) -> list[tuple[str, str]]: ...
+    def put(self, kind: str, key: str, value: Mapping[str, Any], expected_version: int) -> Record | None:
+        """Write `value` if the record's version is `expected_version` (0: it must
+        not exist). Returns the new record, or None on a conflict."""
+        ...
 
-    def close(self) -> None: ...
+    def delete(self, kind: str, key: str, expected_version: int) -> bool:
+        """Delete the record if its version is `expected_version`; False on a conflict or if absent."""
+        ...
 
-
-class SqliteStore:
-    """A `Store` in one SQLite file (created if absent)."""
-
-    def __init__(self, path: str) -> None:
-        self._lock = threading.Lock()
-        # isolation_level=None: no implicit transactions; we BEGIN and COMMIT ourselves.
-        self._conn = sqlite3.connect(
-            path, timeout=_BUSY_TIMEOUT_MS / 1000, isolation_level=None, check_same_thread=False
-        )
-        self._conn.execute(f"PRAGMA busy_timeout={_BUSY_TIMEOUT_MS}")
-        mode = self._conn.execute("PRAGMA journal_mode=WAL").fetchone()[0]
-        if mode != "wal":
-            raise RuntimeError(f"SQLite refused WAL journal mode for {path!r} (got {mode!r})")
-        self._conn.execute("PRAGMA synchronous=FULL")
-        for statement in _SCHEMA:
-            self._conn.execute(statement)
-
-    def read_group(self, name: str) -> Group:
-        with self._lock:
-            return self._read(name)
-
-    def change_group(self, name: str, change: GroupChange) -> tuple[Outcome, Group]:
-        with self._lock:
-            self._conn.execute("BEGIN IMMEDIATE")
-            try:
-                before = self._read(name)
-                outcome, after = group_table.apply(before, change)
-                if outcome is Outcome.APPLIED and after.version != before.version:
-                    self._conn.execute(
-                        "INSERT INTO groups (name, version, members) VALUES (?, ?, ?)"
-                        " ON CONFLICT (name) DO UPDATE"
-                        " SET version = excluded.version, members = excluded.members",
-                        (name, after.version, _members_to_json(after.members)),
-                    )
-                self._conn.execute("COMMIT")
-            except BaseException:
-                if self._conn.in_transaction:
-                    self._conn.execute("ROLLBACK")
-                raise
-            return outcome, after
-
-    def register_node(self, node: str, address: str) -> None:
-        with self._lock:
-            self._conn.execute(
-                "INSERT INTO nodes (node, address) VALUES (?, ?)"
-                " ON CONFLICT (node) DO UPDATE SET address = excluded.address",
-                (node, address),
-            )
-
-    def list_nodes(self) -> list[tuple[str, str]]:
-        with self._lock:
-            rows = self._conn.execute("SELECT node, address FROM nodes ORDER BY node").fetchall()
-        return [(str(node), str(address)) for node, address in rows]
+    def changes_since(self, revision: int, limit: int = 1000) -> tuple[builtins.list[Change], int]:
+        """Changes after `revision` (oldest first, at most `limit`) and the latest
+        revision in the log; raises ChangesTrimmed if `revision` was trimmed."""
+        ...
 
     def close(self) -> None:
-        with self._lock:
-            self._conn.close()
-
-    def _read(self, name: str) -> Group:
-        row = self._conn.execute("SELECT version, members FROM groups WHERE name = ?", (name,)).fetchone()
-        if row is None:
-            return Group(name)
-        version, members = row
-        return Group(name, int(version), _members_from_json(str(members)))
-
-
-def _members_to_json(members: tuple[GroupMember, ...]) -> str:
-    return json.dumps([[m.id, m.node, m.alive] for m in members], separators=(",", ":"))
-
-
-def _members_from_json(text: str) -> tuple[GroupMember, ...]:
-    return tuple(GroupMember(str(i), str(node), bool(alive)) for i, node, alive in json.loads(text))
+        """Release connections; the store is unusable afterwards."""
+        ...

@@ -1,0 +1,338 @@
+"""Queue records, policies and leases kept in a Store: the coordinator's metadata rules.
+
+Responsible for: declaring queues (placed by their effective policy on the
+live, non-draining nodes), re-applying policies to every queue of a vhost
+when a policy is set or cleared, compare-and-set updates of queue records,
+and storing lease transitions (rules in leases.py).
+
+Guarantees: every write is a compare-and-set on the record's version and is
+retried from a fresh read on a conflict (bounded), so concurrent
+coordinators never lose an update; a policy that fails validation is never
+stored; re-applying policies never moves a live master (placement.py) and
+drops removed mirrors from the synchronised set; a lease transition is
+computed from the lease as stored, so two contenders never both hold it.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any, TypeVar
+from urllib.parse import quote
+
+from services.coordinator import leases, placement, policies
+from services.coordinator.leases import Lease
+from services.coordinator.policies import Policy
+from services.coordinator.store import Record, Store
+
+QUEUE = "queue"
+POLICY = "policy"
+LEASE = "lease"
+CAS_ATTEMPTS = 20
+REPLICATION_LEVELS = ("none", "wiring", "all")
+T = TypeVar("T")
+
+
+class NotFound(LookupError):
+    """The record does not exist."""
+
+
+class Conflict(Exception):
+    """A compare-and-set lost to a concurrent change (or kept losing)."""
+
+
+class QueueMismatch(ValueError):
+    """A queue was re-declared with different properties; `field` names the first."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+@dataclass(frozen=True)
+class QueueRecord:
+    """What the coordinator knows of a queue (mirrors ringq.v1.QueueRecord)."""
+
+    vhost: str
+    name: str
+    durable: bool = False
+    auto_delete: bool = False
+    exclusive_owner: str = ""
+    arguments: Mapping[str, str] = field(default_factory=dict)
+    master: str = ""
+    mirrors: tuple[str, ...] = ()
+    synchronised_mirrors: tuple[str, ...] = ()
+    policy: str = ""
+    policy_definition: Mapping[str, Any] = field(default_factory=dict)
+    gm_group: str = ""
+    replication: str = "all"
+    version: int = 0
+
+    @property
+    def key(self) -> str:
+        return queue_key(self.vhost, self.name)
+
+
+def queue_key(vhost: str, name: str) -> str:
+    """The store key of a queue: both parts quoted, so no two queues share one."""
+    return f"{quote(vhost, safe='')}/{quote(name, safe='')}"
+
+
+def _queue_value(queue: QueueRecord) -> dict[str, Any]:
+    value = asdict(queue)
+    del value["version"]
+    value["mirrors"] = list(queue.mirrors)
+    value["synchronised_mirrors"] = list(queue.synchronised_mirrors)
+    value["arguments"] = dict(queue.arguments)
+    value["policy_definition"] = dict(queue.policy_definition)
+    return value
+
+
+def queue_from_record(record: Record) -> QueueRecord:
+    v = record.value
+    return QueueRecord(
+        vhost=v["vhost"],
+        name=v["name"],
+        durable=v["durable"],
+        auto_delete=v["auto_delete"],
+        exclusive_owner=v["exclusive_owner"],
+        arguments=dict(v["arguments"]),
+        master=v["master"],
+        mirrors=tuple(v["mirrors"]),
+        synchronised_mirrors=tuple(v["synchronised_mirrors"]),
+        policy=v["policy"],
+        policy_definition=dict(v["policy_definition"]),
+        gm_group=v["gm_group"],
+        replication=v["replication"],
+        version=record.version,
+    )
+
+
+def _policy_key(vhost: str, name: str) -> str:
+    return f"{quote(vhost, safe='')}/{quote(name, safe='')}"
+
+
+def policy_from_record(record: Record) -> Policy:
+    v = record.value
+    return Policy(v["vhost"], v["name"], v["pattern"], dict(v["definition"]), v["priority"], v["apply_to"])
+
+
+def _retry(step: Callable[[], T | None]) -> T:
+    """Run a read-decide-write step until its compare-and-set succeeds."""
+    for _ in range(CAS_ATTEMPTS):
+        result = step()
+        if result is not None:
+            return result
+    raise Conflict(f"gave up after {CAS_ATTEMPTS} conflicting concurrent changes")
+
+
+# ------------------------------------------------------------------- queues
+
+
+def get_queue(store: Store, vhost: str, name: str) -> QueueRecord:
+    record = store.get(QUEUE, queue_key(vhost, name))
+    if record is None:
+        raise NotFound(f"no queue {name!r} in vhost {vhost!r}")
+    return queue_from_record(record)
+
+
+def list_queues(store: Store, vhost: str = "") -> list[QueueRecord]:
+    queues = [queue_from_record(r) for r in store.list(QUEUE)]
+    return sorted((q for q in queues if not vhost or q.vhost == vhost), key=lambda q: (q.vhost, q.name))
+
+
+def _replica_load(store: Store) -> dict[str, int]:
+    load: dict[str, int] = {}
+    for queue in list_queues(store):
+        for node in (queue.master, *queue.mirrors):
+            load[node] = load.get(node, 0) + 1
+    return load
+
+
+def _placed(
+    queue: QueueRecord, all_policies: Sequence[Policy], live_nodes: Sequence[str], load: Mapping[str, int]
+) -> QueueRecord:
+    """`queue` with its effective policy and placement recomputed."""
+    effective = policies.effective_policy(queue.vhost, queue.name, all_policies)
+    definition = dict(effective.definition) if effective else {}
+    replication = str(definition.get("replication", "all"))
+    current = placement.Placement(queue.master, queue.mirrors) if queue.master else None
+    if replication == "none":
+        definition_for_placement: Mapping[str, Any] | None = None
+    else:
+        definition_for_placement = definition or None
+    placed = placement.place(
+        definition_for_placement, live_nodes, current, preferred_master=queue.master or None, load=load
+    )
+    synchronised = tuple(m for m in queue.synchronised_mirrors if m in placed.mirrors)
+    return replace(
+        queue,
+        master=placed.master,
+        mirrors=placed.mirrors,
+        synchronised_mirrors=synchronised,
+        policy=effective.name if effective else "",
+        policy_definition=definition,
+        replication=replication,
+    )
+
+
+def declare_queue(
+    store: Store,
+    declared: QueueRecord,
+    live_nodes: Sequence[str],
+    preferred_master: str = "",
+) -> QueueRecord:
+    """Create `declared` (placed by its effective policy), or return the existing
+    queue if it has the same properties; QueueMismatch if they differ."""
+
+    def step() -> QueueRecord | None:
+        existing = store.get(QUEUE, declared.key)
+        if existing is not None:
+            queue = queue_from_record(existing)
+            for name in ("durable", "auto_delete", "exclusive_owner", "arguments"):
+                if getattr(queue, name) != getattr(declared, name):
+                    raise QueueMismatch(
+                        name,
+                        f"queue {declared.name!r} exists with {name}={getattr(queue, name)!r}, "
+                        f"declared with {getattr(declared, name)!r}",
+                    )
+            return queue
+        fresh = replace(declared, master=preferred_master if preferred_master in live_nodes else "", mirrors=())
+        fresh = replace(fresh, gm_group=f"queue.{uuid.uuid4().hex}")
+        placed = _placed(fresh, list_policies(store, declared.vhost), live_nodes, _replica_load(store))
+        written = store.put(QUEUE, declared.key, _queue_value(placed), 0)
+        return queue_from_record(written) if written is not None else None
+
+    return _retry(step)
+
+
+def update_queue(store: Store, queue: QueueRecord, expected_version: int) -> QueueRecord:
+    """Replace a queue record if its version is `expected_version`; Conflict otherwise."""
+    written = store.put(QUEUE, queue.key, _queue_value(queue), expected_version)
+    if written is None:
+        if store.get(QUEUE, queue.key) is None:
+            raise NotFound(f"no queue {queue.name!r} in vhost {queue.vhost!r}")
+        raise Conflict(f"queue {queue.name!r} changed since version {expected_version}")
+    return queue_from_record(written)
+
+
+def delete_queue(store: Store, vhost: str, name: str, expected_version: int = 0) -> None:
+    """Delete a queue record (at `expected_version`, or whatever its version if 0)."""
+    key = queue_key(vhost, name)
+
+    def step() -> bool | None:
+        record = store.get(QUEUE, key)
+        if record is None:
+            raise NotFound(f"no queue {name!r} in vhost {vhost!r}")
+        if expected_version and record.version != expected_version:
+            raise Conflict(f"queue {name!r} is at version {record.version}, not {expected_version}")
+        return True if store.delete(QUEUE, key, record.version) else None
+
+    _retry(step)
+
+
+def apply_policies(store: Store, vhost: str, live_nodes: Sequence[str]) -> int:
+    """Re-apply the vhost's policies to each of its queues; returns how many changed."""
+    all_policies = list_policies(store, vhost)
+    changed = 0
+    for queue in list_queues(store, vhost):
+        key = queue.key
+
+        def step(key: str = key) -> bool | None:
+            record = store.get(QUEUE, key)
+            if record is None:
+                return False  # deleted meanwhile
+            current = queue_from_record(record)
+            updated = _placed(current, all_policies, live_nodes, _replica_load(store))
+            if updated == current:
+                return False
+            return True if store.put(QUEUE, key, _queue_value(updated), record.version) is not None else None
+
+        changed += _retry(step)
+    return changed
+
+
+# ----------------------------------------------------------------- policies
+
+
+def list_policies(store: Store, vhost: str = "") -> list[Policy]:
+    found = [policy_from_record(r) for r in store.list(POLICY)]
+    found = [p for p in found if not vhost or p.vhost == vhost]
+    return sorted(found, key=lambda p: (p.vhost, -p.priority, p.name))
+
+
+def set_policy(store: Store, policy: Policy, live_nodes: Sequence[str]) -> tuple[Policy, int]:
+    """Validate and store `policy` (PolicyError if invalid), then re-apply the vhost's policies."""
+    valid = policies.validate(policy)
+    key = _policy_key(valid.vhost, valid.name)
+    value = {
+        "vhost": valid.vhost,
+        "name": valid.name,
+        "pattern": valid.pattern,
+        "definition": dict(valid.definition),
+        "priority": valid.priority,
+        "apply_to": valid.apply_to,
+    }
+
+    def step() -> Record | None:
+        existing = store.get(POLICY, key)
+        return store.put(POLICY, key, value, existing.version if existing else 0)
+
+    _retry(step)
+    return valid, apply_policies(store, valid.vhost, live_nodes)
+
+
+def clear_policy(store: Store, vhost: str, name: str, live_nodes: Sequence[str]) -> int:
+    """Delete a policy (NotFound if absent) and re-apply the vhost's others."""
+    key = _policy_key(vhost, name)
+
+    def step() -> bool | None:
+        existing = store.get(POLICY, key)
+        if existing is None:
+            raise NotFound(f"no policy {name!r} in vhost {vhost!r}")
+        return True if store.delete(POLICY, key, existing.version) else None
+
+    _retry(step)
+    return apply_policies(store, vhost, live_nodes)
+
+
+# ------------------------------------------------------------------- leases
+
+
+def lease_from_record(record: Record | None, name: str) -> Lease | None:
+    if record is None:
+        return None
+    v = record.value
+    return Lease(name, v["holder"], v["token"], v["expires_at_ms"])
+
+
+def _write_lease(store: Store, name: str, transition: Callable[[Lease | None], Lease]) -> Lease:
+    def step() -> Lease | None:
+        record = store.get(LEASE, name)
+        lease = transition(lease_from_record(record, name))  # LeaseRefused propagates
+        value = {"holder": lease.holder, "token": lease.token, "expires_at_ms": lease.expires_at_ms}
+        written = store.put(LEASE, name, value, record.version if record else 0)
+        return lease if written is not None else None
+
+    return _retry(step)
+
+
+def acquire_lease(store: Store, name: str, holder: str, ttl_ms: int, now_ms: int) -> Lease:
+    return _write_lease(store, name, lambda current: leases.acquire(current, name, holder, now_ms, ttl_ms))
+
+
+def renew_lease(store: Store, name: str, holder: str, token: int, ttl_ms: int, now_ms: int) -> Lease:
+    return _write_lease(store, name, lambda current: leases.renew(current, holder, token, now_ms, ttl_ms))
+
+
+def release_lease(store: Store, name: str, holder: str, token: int, now_ms: int) -> Lease:
+    return _write_lease(store, name, lambda current: leases.release(current, holder, token, now_ms))
+
+
+def get_lease(store: Store, name: str) -> Lease:
+    return lease_from_record(store.get(LEASE, name), name) or Lease(name)
+
+
+def list_leases(store: Store) -> list[Lease]:
+    return [lease for r in store.list(LEASE) if (lease := lease_from_record(r, r.key)) is not None]

@@ -1,0 +1,138 @@
+"""Typed records over any `Store`: group tables, broker nodes and node heartbeats.
+
+Responsible for: how the coordinator's values are kept as store records, and
+every read-modify-write on them as a compare-and-set on the record version:
+
+    kind "group"      key: group name  value {"members": [{"id", "node", "alive"}, ...]}
+    kind "node"       key: node id     value {"address", "draining"}
+    kind "heartbeat"  key: node id     value {"at_unix_ms"}
+
+Heartbeats are their own kind so that watchers of "node" records (membership,
+addresses, draining) are not woken by every heartbeat.
+
+Guarantees:
+- A group's version is its record's version: a group never written reads as
+  version 0 with no members, and `group_table.apply` of CreateGroup to it
+  yields version 1, the version of a record's first put. Groups are never
+  deleted, so a group's version never goes back.
+- `change_group` applies `group_table.apply` to the group it read and writes
+  the result only if the record still has the version it read: of several
+  callers that decided from the same version exactly one gets APPLIED; the
+  others get VERSION_CONFLICT with the group as it is now (re-read), so they
+  can re-decide. A change that leaves the group as it is writes nothing.
+- `register_node`, `set_node_draining` and `node_heartbeat` retry their
+  compare-and-set until it lands, so concurrent callers lose no update:
+  re-registering keeps `draining`; a heartbeat never moves backwards.
+- Store errors (StoreUnavailable, ValueError for an unusable key) propagate.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from services.coordinator import group_table
+from services.coordinator.group_table import Group, GroupChange, GroupMember, Outcome
+from services.coordinator.store import Record, Store
+
+GROUP = "group"
+NODE = "node"
+HEARTBEAT = "heartbeat"
+
+
+# ---------------------------------------------------------------------------------------------- groups
+
+
+def read_group(store: Store, name: str) -> Group:
+    """The group `name` (version 0 with no members if it was never written)."""
+    return group_from_record(name, store.get(GROUP, name))
+
+
+def change_group(store: Store, name: str, change: GroupChange) -> tuple[Outcome, Group]:
+    """Apply `change` to group `name` as a compare-and-set; returns the outcome and the group after it."""
+    before = read_group(store, name)
+    outcome, after = group_table.apply(before, change)
+    if outcome is not Outcome.APPLIED or after.version == before.version:
+        return outcome, after
+    written = store.put(GROUP, name, _group_value(after), before.version)
+    if written is None:  # someone else changed it since we read it
+        return Outcome.VERSION_CONFLICT, read_group(store, name)
+    if written.version != after.version:
+        raise RuntimeError(f"group {name!r}: the store wrote version {written.version}, expected {after.version}")
+    return outcome, after
+
+
+def _group_value(group: Group) -> dict[str, Any]:
+    return {"members": [{"id": m.id, "node": m.node, "alive": m.alive} for m in group.members]}
+
+
+def group_from_record(name: str, record: Record | None) -> Group:
+    if record is None:
+        return Group(name)
+    members = tuple(GroupMember(str(m["id"]), str(m["node"]), bool(m["alive"])) for m in record.value["members"])
+    return Group(name, record.version, members)
+
+
+# ---------------------------------------------------------------------------------------------- nodes
+
+
+@dataclass(frozen=True)
+class NodeRecord:
+    """A registered broker node."""
+
+    node: str
+    address: str
+    draining: bool = False
+    last_heartbeat_unix_ms: int | None = None
+
+
+def register_node(store: Store, node: str, address: str) -> None:
+    """Record `node` at `address` (insert or update; an existing `draining` flag is kept)."""
+    while True:
+        record = store.get(NODE, node)
+        draining = record is not None and bool(record.value.get("draining", False))
+        value = {"address": address, "draining": draining}
+        if record is not None and dict(record.value) == value:
+            return  # already so: wake no watcher
+        if store.put(NODE, node, value, _version(record)) is not None:
+            return
+
+
+def set_node_draining(store: Store, node: str, draining: bool) -> bool:
+    """Set the node's `draining` flag; False if `node` is not registered."""
+    while True:
+        record = store.get(NODE, node)
+        if record is None:
+            return False
+        if bool(record.value.get("draining", False)) == draining:
+            return True
+        if store.put(NODE, node, {**record.value, "draining": draining}, record.version) is not None:
+            return True
+
+
+def node_heartbeat(store: Store, node: str, at_unix_ms: int) -> None:
+    """Record that `node` was heard from at `at_unix_ms` (an older time than the recorded one is ignored)."""
+    while True:
+        record = store.get(HEARTBEAT, node)
+        if record is not None and int(record.value["at_unix_ms"]) >= at_unix_ms:
+            return
+        if store.put(HEARTBEAT, node, {"at_unix_ms": at_unix_ms}, _version(record)) is not None:
+            return
+
+
+def list_nodes(store: Store) -> list[NodeRecord]:
+    """Every registered node, sorted by node id, with its last heartbeat (None if never heard)."""
+    beats = {record.key: int(record.value["at_unix_ms"]) for record in store.list(HEARTBEAT)}
+    return [
+        NodeRecord(
+            record.key,
+            str(record.value["address"]),
+            bool(record.value.get("draining", False)),
+            beats.get(record.key),
+        )
+        for record in store.list(NODE)
+    ]
+
+
+def _version(record: Record | None) -> int:
+    return 0 if record is None else record.version

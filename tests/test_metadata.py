@@ -1,0 +1,144 @@
+"""Queue records, policies applied live, and leases over a Store (services/coordinator/metadata.py)."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import replace
+
+import pytest
+
+from services.coordinator import metadata
+from services.coordinator.leases import LeaseRefused
+from services.coordinator.metadata import Conflict, NotFound, QueueMismatch, QueueRecord
+from services.coordinator.policies import Policy, PolicyError
+from tests.memory_store import MemoryStore
+
+NODES = ["n1", "n2", "n3"]
+
+
+def _declare(store: MemoryStore, name: str = "orders", **kwargs: object) -> QueueRecord:
+    return metadata.declare_queue(store, QueueRecord("/", name, durable=True, **kwargs), NODES)  # type: ignore[arg-type]
+
+
+def test_a_queue_without_policy_has_a_master_and_no_mirrors() -> None:
+    store = MemoryStore()
+    queue = _declare(store)
+    assert queue.master in NODES and queue.mirrors == () and queue.policy == ""
+    assert queue.version == 1 and queue.gm_group.startswith("queue.")
+    assert metadata.get_queue(store, "/", "orders") == queue
+
+
+def test_declaring_again_returns_the_queue_and_a_different_declaration_is_refused() -> None:
+    store = MemoryStore()
+    first = _declare(store)
+    assert _declare(store) == first
+    with pytest.raises(QueueMismatch) as refused:
+        metadata.declare_queue(store, QueueRecord("/", "orders", durable=False), NODES)
+    assert refused.value.field == "durable" and "durable=True" in str(refused.value)
+
+
+def test_the_effective_policy_places_a_new_queue() -> None:
+    store = MemoryStore()
+    metadata.set_policy(store, Policy("/", "two", "^ha\\.", {"ha-mode": "exactly", "ha-params": 2}), NODES)
+    queue = _declare(store, "ha.orders")
+    assert queue.policy == "two" and len(queue.mirrors) == 1 and queue.master not in queue.mirrors
+    assert _declare(store, "plain").mirrors == ()
+
+
+def test_policies_apply_live_to_existing_queues() -> None:
+    store = MemoryStore()
+    queue = _declare(store, "ha.q")
+    everywhere = Policy("/", "all", "^ha\\.", {"ha-mode": "all"})
+    _, changed = metadata.set_policy(store, everywhere, NODES)
+    queue_now = metadata.get_queue(store, "/", "ha.q")
+    assert changed == 1 and queue_now.master == queue.master and set(queue_now.mirrors) == set(NODES) - {queue.master}
+    _, changed = metadata.set_policy(
+        store, replace(everywhere, definition={"ha-mode": "exactly", "ha-params": 2}), NODES
+    )
+    shrunk = metadata.get_queue(store, "/", "ha.q")
+    assert changed == 1 and shrunk.mirrors == queue_now.mirrors[:1], "the newest mirror goes first"
+    assert metadata.clear_policy(store, "/", "all", NODES) == 1
+    assert metadata.get_queue(store, "/", "ha.q").mirrors == ()
+    with pytest.raises(NotFound):
+        metadata.clear_policy(store, "/", "all", NODES)
+
+
+def test_the_highest_priority_policy_wins() -> None:
+    store = MemoryStore()
+    metadata.set_policy(store, Policy("/", "low", ".*", {"ha-mode": "all"}, priority=0), NODES)
+    metadata.set_policy(store, Policy("/", "high", "^q", {"max-length": 10}, priority=5), NODES)
+    queue = _declare(store, "q1")
+    assert queue.policy == "high" and queue.policy_definition == {"max-length": 10} and queue.mirrors == ()
+
+
+def test_a_refused_policy_is_not_stored() -> None:
+    store = MemoryStore()
+    with pytest.raises(PolicyError) as refused:
+        metadata.set_policy(store, Policy("/", "bad", "^q", {"ha-mod": "all"}), NODES)
+    assert refused.value.key == "ha-mod"
+    assert metadata.list_policies(store) == []
+
+
+def test_removed_mirrors_leave_the_synchronised_set() -> None:
+    store = MemoryStore()
+    metadata.set_policy(store, Policy("/", "all", ".*", {"ha-mode": "all"}), NODES)
+    queue = _declare(store, "q")
+    synced = metadata.update_queue(store, replace(queue, synchronised_mirrors=queue.mirrors), queue.version)
+    metadata.set_policy(store, Policy("/", "all", ".*", {"ha-mode": "exactly", "ha-params": 2}), NODES)
+    after = metadata.get_queue(store, "/", "q")
+    assert after.synchronised_mirrors == after.mirrors == synced.mirrors[:1]
+
+
+def test_queue_updates_and_deletes_are_compare_and_set() -> None:
+    store = MemoryStore()
+    queue = _declare(store)
+    metadata.update_queue(store, replace(queue, master="n3"), queue.version)
+    with pytest.raises(Conflict):
+        metadata.update_queue(store, replace(queue, master="n2"), queue.version)
+    with pytest.raises(Conflict):
+        metadata.delete_queue(store, "/", "orders", expected_version=queue.version)
+    metadata.delete_queue(store, "/", "orders")
+    with pytest.raises(NotFound):
+        metadata.get_queue(store, "/", "orders")
+
+
+def test_queue_keys_do_not_collide_across_vhosts() -> None:
+    store = MemoryStore()
+    metadata.declare_queue(store, QueueRecord("a/b", "c"), NODES)
+    metadata.declare_queue(store, QueueRecord("a", "b/c", durable=True), NODES)
+    assert [(q.vhost, q.name) for q in metadata.list_queues(store)] == [("a", "b/c"), ("a/b", "c")]
+
+
+def test_leases_through_the_store() -> None:
+    store = MemoryStore()
+    lease = metadata.acquire_lease(store, "stream/s/producer", "p1", 1000, now_ms=0)
+    assert lease.token == 1
+    with pytest.raises(LeaseRefused):
+        metadata.acquire_lease(store, "stream/s/producer", "p2", 1000, now_ms=10)
+    metadata.renew_lease(store, "stream/s/producer", "p1", 1, 1000, now_ms=900)
+    taken = metadata.acquire_lease(store, "stream/s/producer", "p2", 1000, now_ms=2000)
+    assert taken.token == 2 and metadata.get_lease(store, "stream/s/producer").holder == "p2"
+    with pytest.raises(LeaseRefused, match="stale fencing token 1"):
+        metadata.release_lease(store, "stream/s/producer", "p1", 1, now_ms=2001)
+    assert [lease.name for lease in metadata.list_leases(store)] == ["stream/s/producer"]
+
+
+def test_concurrent_contenders_get_the_lease_exactly_once() -> None:
+    store = MemoryStore()
+    winners: list[str] = []
+    start = threading.Barrier(8)
+
+    def contend(holder: str) -> None:
+        start.wait()
+        try:
+            metadata.acquire_lease(store, "l", holder, 10_000, now_ms=0)
+            winners.append(holder)
+        except LeaseRefused:
+            pass
+
+    threads = [threading.Thread(target=contend, args=(f"p{i}",)) for i in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(winners) == 1 and metadata.get_lease(store, "l").holder == winners[0]
