@@ -1,0 +1,256 @@
+"""The coordinator's metadata API over real gRPC (one in-process server per test),
+and `ringqctl` against a coordinator process."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from ringq.v1 import coordinator_pb2, coordinator_pb2_grpc
+from services.coordinator.server import create_server
+from services.coordinator.sqlite_store import SqliteStore
+
+Stub = coordinator_pb2_grpc.CoordinatorServiceStub
+
+
+def run(tmp_path: Path, scenario: Callable[[Any], Awaitable[None]]) -> None:
+    async def main() -> None:
+        store = SqliteStore(str(tmp_path / "coordinator.db"))
+        server, port = await create_server("127.0.0.1:0", store, liveness_ms=2000)
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                await scenario(Stub(channel))
+        finally:
+            await server.stop(None)
+            store.close()
+
+    asyncio.run(main())
+
+
+async def _live_nodes(stub: Any, *nodes: str) -> None:
+    for node in nodes:
+        await stub.RegisterNode(coordinator_pb2.RegisterNodeRequest(node=node, address=f"127.0.0.1:1{node[-1]}"))
+        await stub.NodeHeartbeat(coordinator_pb2.NodeHeartbeatRequest(node=node))
+
+
+async def _code(call: Awaitable[Any]) -> tuple[grpc.StatusCode, str]:
+    try:
+        await call
+    except grpc.aio.AioRpcError as error:
+        return error.code(), error.details() or ""
+    raise AssertionError("the call succeeded")
+
+
+def _policy(name: str, pattern: str, definition: dict[str, Any], priority: int = 0) -> coordinator_pb2.Policy:
+    return coordinator_pb2.Policy(
+        vhost="/", name=name, pattern=pattern, definition_json=json.dumps(definition), priority=priority
+    )
+
+
+def test_policies_are_validated_stored_and_applied_to_queues(tmp_path: Path) -> None:
+    async def scenario(stub: Any) -> None:
+        await _live_nodes(stub, "n1", "n2", "n3")
+        declared = await stub.DeclareQueue(coordinator_pb2.DeclareQueueRequest(name="ha.orders", durable=True))
+        assert declared.queue.mirrors == [] and declared.queue.master in {"n1", "n2", "n3"}
+        code, message = await _code(
+            stub.SetPolicy(coordinator_pb2.SetPolicyRequest(policy=_policy("x", "^ha", {"ha-mode": "most"})))
+        )
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and "ha-mode" in message
+        code, message = await _code(
+            stub.SetPolicy(coordinator_pb2.SetPolicyRequest(policy=_policy("x", "(", {"ha-mode": "all"})))
+        )
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and message.startswith("pattern")
+        bad_json = coordinator_pb2.Policy(vhost="/", name="x", pattern=".", definition_json="{nope")
+        code, message = await _code(stub.SetPolicy(coordinator_pb2.SetPolicyRequest(policy=bad_json)))
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and "definition" in message
+        listed = await stub.ListPolicies(coordinator_pb2.ListPoliciesRequest())
+        assert list(listed.policies) == [], "nothing is stored for a refused policy"
+        response = await stub.SetPolicy(
+            coordinator_pb2.SetPolicyRequest(policy=_policy("all", "^ha\\.", {"ha-mode": "all"}))
+        )
+        assert response.queues_changed == 1
+        queue = (await stub.GetQueue(coordinator_pb2.GetQueueRequest(name="ha.orders"))).queue
+        assert queue.policy == "all" and len(queue.mirrors) == 2
+        cleared = await stub.ClearPolicy(coordinator_pb2.ClearPolicyRequest(vhost="/", name="all"))
+        assert cleared.queues_changed == 1
+        code, _ = await _code(stub.ClearPolicy(coordinator_pb2.ClearPolicyRequest(vhost="/", name="all")))
+        assert code == grpc.StatusCode.NOT_FOUND
+
+    run(tmp_path, scenario)
+
+
+def test_queue_records_are_compare_and_set(tmp_path: Path) -> None:
+    async def scenario(stub: Any) -> None:
+        await _live_nodes(stub, "n1")
+        queue = (await stub.DeclareQueue(coordinator_pb2.DeclareQueueRequest(name="q", durable=True))).queue
+        code, message = await _code(stub.DeclareQueue(coordinator_pb2.DeclareQueueRequest(name="q", durable=False)))
+        assert code == grpc.StatusCode.FAILED_PRECONDITION and "durable" in message
+        code, _ = await _code(stub.GetQueue(coordinator_pb2.GetQueueRequest(name="nope")))
+        assert code == grpc.StatusCode.NOT_FOUND
+        changed = coordinator_pb2.QueueRecord()
+        changed.CopyFrom(queue)
+        changed.synchronised_mirrors.append("n1")
+        updated = await stub.UpdateQueue(
+            coordinator_pb2.UpdateQueueRequest(queue=changed, expected_version=queue.version)
+        )
+        assert updated.queue.version == queue.version + 1
+        code, _ = await _code(
+            stub.UpdateQueue(coordinator_pb2.UpdateQueueRequest(queue=changed, expected_version=queue.version))
+        )
+        assert code == grpc.StatusCode.ABORTED
+        await stub.DeleteQueue(coordinator_pb2.DeleteQueueRequest(name="q"))
+        assert list((await stub.ListQueues(coordinator_pb2.ListQueuesRequest())).queues) == []
+
+    run(tmp_path, scenario)
+
+
+def test_a_queue_needs_a_live_node(tmp_path: Path) -> None:
+    async def scenario(stub: Any) -> None:
+        await stub.RegisterNode(coordinator_pb2.RegisterNodeRequest(node="n1", address="127.0.0.1:1"))  # no heartbeat
+        code, message = await _code(stub.DeclareQueue(coordinator_pb2.DeclareQueueRequest(name="q")))
+        assert code == grpc.StatusCode.UNAVAILABLE and "no live node" in message
+
+    run(tmp_path, scenario)
+
+
+def test_leases_and_the_fencing_check(tmp_path: Path) -> None:
+    async def scenario(stub: Any) -> None:
+        lease = (
+            await stub.AcquireLease(coordinator_pb2.AcquireLeaseRequest(name="s/producer", holder="p1", ttl_ms=300))
+        ).lease
+        assert (lease.holder, lease.token) == ("p1", 1)
+        code, message = await _code(
+            stub.AcquireLease(coordinator_pb2.AcquireLeaseRequest(name="s/producer", holder="p2", ttl_ms=300))
+        )
+        assert code == grpc.StatusCode.FAILED_PRECONDITION and "held by 'p1'" in message
+        await asyncio.sleep(0.35)  # p1's lease expires
+        taken = (
+            await stub.AcquireLease(coordinator_pb2.AcquireLeaseRequest(name="s/producer", holder="p2", ttl_ms=5000))
+        ).lease
+        assert taken.token == 2
+        stale = await stub.CheckLease(coordinator_pb2.CheckLeaseRequest(name="s/producer", holder="p1", token=1))
+        fresh = await stub.CheckLease(coordinator_pb2.CheckLeaseRequest(name="s/producer", holder="p2", token=2))
+        assert not stale.valid and fresh.valid
+        code, message = await _code(
+            stub.RenewLease(coordinator_pb2.RenewLeaseRequest(name="s/producer", holder="p1", token=1, ttl_ms=500))
+        )
+        assert code == grpc.StatusCode.FAILED_PRECONDITION and "stale fencing token 1" in message
+        released = await stub.ReleaseLease(coordinator_pb2.ReleaseLeaseRequest(name="s/producer", holder="p2", token=2))
+        assert released.lease.holder == "" and released.lease.token == 2
+
+    run(tmp_path, scenario)
+
+
+def test_watch_streams_changes_of_the_kinds_asked_for(tmp_path: Path) -> None:
+    async def scenario(stub: Any) -> None:
+        await _live_nodes(stub, "n1")
+        code, message = await _code(_first(stub.Watch(coordinator_pb2.WatchRequest(kinds=["queues"]))))
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and "queues" in message
+        call = stub.Watch(coordinator_pb2.WatchRequest(kinds=["queue", "policy"]))
+        events: list[Any] = []
+
+        async def collect() -> None:
+            async for event in call:
+                events.append(event)
+                if len(events) == 3:
+                    return
+
+        collecting = asyncio.ensure_future(collect())
+        await asyncio.sleep(0.2)
+        await stub.AcquireLease(coordinator_pb2.AcquireLeaseRequest(name="not-watched", holder="p", ttl_ms=1000))
+        await stub.DeclareQueue(coordinator_pb2.DeclareQueueRequest(name="q"))
+        await stub.SetPolicy(coordinator_pb2.SetPolicyRequest(policy=_policy("p", "^q", {"max-length": 5})))
+        await asyncio.wait_for(collecting, 10)
+        call.cancel()
+        assert [e.kind for e in events] == ["queue", "policy", "queue"]
+        assert events[0].queue.name == "q" and events[2].queue.policy == "p"
+        assert events[0].revision < events[1].revision < events[2].revision
+
+    run(tmp_path, scenario)
+
+
+async def _first(stream: AsyncIterator[Any]) -> Any:
+    async for event in stream:
+        return event
+    return None
+
+
+def test_cluster_status_shows_liveness_coordinators_and_store(tmp_path: Path) -> None:
+    async def scenario(stub: Any) -> None:
+        await _live_nodes(stub, "n1")
+        await stub.RegisterNode(coordinator_pb2.RegisterNodeRequest(node="n2", address="127.0.0.1:12"))
+        await stub.SetNodeDraining(coordinator_pb2.SetNodeDrainingRequest(node="n2", draining=True))
+        code, _ = await _code(stub.SetNodeDraining(coordinator_pb2.SetNodeDrainingRequest(node="nope", draining=True)))
+        assert code == grpc.StatusCode.NOT_FOUND
+        await asyncio.sleep(0.1)
+        status = await stub.ClusterStatus(coordinator_pb2.ClusterStatusRequest())
+        assert [(n.node, n.alive, n.draining) for n in status.nodes] == [("n1", True, False), ("n2", False, True)]
+        assert status.store_kind == "sqlite" and status.coordinators and status.coordinators[0].alive
+
+    run(tmp_path, scenario)
+
+
+# ------------------------------------------------------------------------------------------------ ringqctl
+
+
+def ringqctl(coordinator: str, *args: str) -> subprocess.CompletedProcess[str]:
+    command = [sys.executable, "-m", "ringq.ctl", "--coordinator", coordinator, *args]
+    return subprocess.run(command, capture_output=True, text=True, timeout=30, stdin=subprocess.DEVNULL)
+
+
+def test_ringqctl_administers_a_live_coordinator(tmp_path: Path) -> None:
+    ready = tmp_path / "ready"
+    log = (tmp_path / "coordinator.log").open("wb")
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "services.coordinator",
+            "--listen",
+            "127.0.0.1:0",
+            "--db",
+            str(tmp_path / "c.db"),
+            "--ready-file",
+            str(ready),
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    try:
+        deadline = time.monotonic() + 20
+        while not ready.exists():
+            assert process.poll() is None and time.monotonic() < deadline, "the coordinator did not start"
+            time.sleep(0.05)
+        address = ready.read_text().strip()
+        result = ringqctl(
+            address, "set_policy", "ha-two", "^ha\\.", '{"ha-mode":"exactly","ha-params":2}', "--priority", "3"
+        )
+        assert result.returncode == 0, result.stderr
+        assert "policy 'ha-two' set" in result.stdout
+        listed = json.loads(ringqctl(address, "--json", "list_policies").stdout)
+        assert listed["policies"][0]["name"] == "ha-two" and listed["policies"][0]["priority"] == 3
+        table = ringqctl(address, "list_policies").stdout
+        assert 'ha-mode="exactly" ha-params=2' in table
+        refused = ringqctl(address, "set_policy", "bad", "^x", '{"ha-mode":"exactly"}')
+        assert refused.returncode == 1 and refused.stderr.count("\n") == 1
+        assert refused.stderr.startswith("ringqctl: INVALID_ARGUMENT: ha-params")
+        for command in ("cluster_status", "list_queues", "list_leases"):
+            shown = ringqctl(address, "--json", command)
+            assert shown.returncode == 0 and isinstance(json.loads(shown.stdout), dict), (command, shown.stderr)
+        status = json.loads(ringqctl(address, "--json", "cluster_status").stdout)
+        assert status["store_kind"] == "sqlite"
+        cleared = ringqctl(address, "clear_policy", "ha-two")
+        assert cleared.returncode == 0 and "cleared" in cleared.stdout
+        unknown = ringqctl(address, "clear_policy", "ha-two")
+        assert unknown.returncode == 1 and unknown.stderr.startswith("ringqctl: NOT_FOUND")
+    finally:
+        process.terminate()
+        process.wait(10)
