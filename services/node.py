@@ -37,7 +37,7 @@ from services.coordinator.server import group_name_problem
 from services.gm import wire
 from services.gm.links import CHANNEL_OPTIONS, LinkManager
 from services.gm.member import MemberEvent, MemberShell
-from services.gm.messages import Deliver, Joined, MembersChanged, RingMessage, Stopped
+from services.gm.messages import Action, Deliver, Joined, MembersChanged, RingMessage, Stopped
 from services.gm.ring import NotJoined, RingMember
 
 log = logging.getLogger("ringq.node")
@@ -46,6 +46,8 @@ MAX_PAYLOAD_BYTES = 16 * 1024 * 1024
 COORDINATOR_RETRY_SECONDS = 7 * 24 * 3600.0
 # A third of the coordinator's default liveness timeout (5 s).
 HEARTBEAT_TO_COORDINATOR_SECONDS = 1.5
+GROUP_KIND = "group"
+QUIET_CHECKS_WHILE_WATCHING = 10
 # gRPC refuses a message over its limits before any handler sees it, so the
 # server's limits leave room for several payloads of the largest size: larger
 # requests get RESOURCE_EXHAUSTED from gRPC itself.
@@ -68,6 +70,10 @@ class NodeSettings:
     heartbeat_interval: float = 0.25
     failure_timeout: float = 2.0
     grace: float = 0.1
+    # How long a member may hear nothing from its ring before it re-reads its
+    # group itself (None: the failure timeout). Only a fallback: the node's
+    # group watch normally brings every new view at once.
+    membership_check: float | None = None
 
 
 class Node:
@@ -93,6 +99,7 @@ class Node:
         self._peer_channels: dict[str, grpc.aio.Channel] = {}
         self._reported: set[tuple[str, str]] = set()
         self._detector: asyncio.Task[None] | None = None
+        self.watching_groups = False
         self._tasks: set[asyncio.Future[None]] = set()
 
     # -------------------------------------------------------------- lifecycle
@@ -101,6 +108,38 @@ class Node:
         await self.coordinator.register_node(self.id, self.address)
         self._detector = asyncio.ensure_future(self._detect_failures())
         self._tasks.add(asyncio.ensure_future(self._heartbeat()))
+        self._tasks.add(asyncio.ensure_future(self._watch_groups()))
+
+    async def _watch_groups(self) -> None:
+        """Hand every new view of a group this node hosts to its member at once, so a
+        member learns of changes (its own recorded death included) without polling."""
+        revision = 0
+        while True:
+            try:
+                async for event in self.coordinator.watch([GROUP_KIND], revision):
+                    self.watching_groups = True
+                    revision = event.revision
+                    if event.resync:
+                        for member in list(self.members.values()):
+                            member.post(lambda core: core.check_membership())
+                    elif not event.deleted:
+                        self._new_view(event.key, group_from_proto(event.group))
+            except grpc.aio.AioRpcError as error:
+                log.debug("group watch interrupted: %s", error.code().name)
+            self.watching_groups = False
+            await asyncio.sleep(0.2)
+
+    def _new_view(self, group_name: str, group: Group) -> None:
+        member = self.members.get(group_name)
+        if member is None or not member.joined.is_set() or member.stopped is not None:
+            return  # a member still joining reads the table itself
+
+        def adopt(core: RingMember) -> list[Action]:
+            if core.view is None or group.version <= core.view.version:
+                return []
+            return core.on_group(group)
+
+        member.post(adopt)
 
     async def _heartbeat(self) -> None:
         """Tell the coordinator this node is alive (it places replicas on live nodes only)."""
@@ -236,7 +275,11 @@ class Node:
             now = time.monotonic()
             for member in list(self.members.values()):
                 quiet_since = max(member.last_ring_input, member.last_membership_check)
-                if member.stopped is None and member.joined.is_set() and now - quiet_since > settings.failure_timeout:
+                # The group watch tells members of new views; this check is the
+                # fallback for when it is down (or missed something).
+                check_every = settings.membership_check or settings.failure_timeout
+                quiet_for = check_every * (QUIET_CHECKS_WHILE_WATCHING if self.watching_groups else 1)
+                if member.stopped is None and member.joined.is_set() and now - quiet_since > quiet_for:
                     member.last_membership_check = now
                     member.post(lambda core: core.check_membership())
             for member_id, suspect in suspects - self._reported:
@@ -462,6 +505,12 @@ def parser() -> argparse.ArgumentParser:
     out.add_argument("--heartbeat-interval-ms", type=_millis, default=str(defaults.heartbeat_interval * 1000))
     out.add_argument("--failure-timeout-ms", type=_millis, default=str(defaults.failure_timeout * 1000))
     out.add_argument("--grace-ms", type=_millis, default=str(defaults.grace * 1000))
+    out.add_argument(
+        "--membership-check-ms",
+        type=_millis,
+        default=None,
+        help="re-read a quiet member's group after this long (default: the failure timeout)",
+    )
     out.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     return out
 
@@ -474,6 +523,7 @@ def main(argv: list[str] | None = None) -> int:
         heartbeat_interval=args.heartbeat_interval_ms,
         failure_timeout=args.failure_timeout_ms,
         grace=args.grace_ms,
+        membership_check=args.membership_check_ms,
     )
     try:
         asyncio.run(serve(args.id, args.listen, args.coordinator, settings, args.ready_file))

@@ -135,7 +135,8 @@ def test_broadcast_through_a_kill_and_a_join(tmp_path: Path, run: int) -> None:
 
 
 async def _paused_node_scenario(directory: Path) -> float:
-    info = cluster.up(3, directory, node_args=NODE_ARGS)
+    # A slow fallback: only the nodes' group watch can tell the paused member in time.
+    info = cluster.up(3, directory, node_args=[*NODE_ARGS, "--membership-check-ms", "60000"])
     addresses = {node.name: node.address for node in info.nodes}
     a = await GroupMembership.join(addresses["node1"], "paused")
     b = await GroupMembership.join(addresses["node2"], "paused")
@@ -164,8 +165,13 @@ async def _paused_node_scenario(directory: Path) -> float:
         await asyncio.sleep(1.0)
     finally:
         os.kill(node3.pid, signal.SIGCONT)
+    resumed = time.monotonic()
     code = await asyncio.wait_for(c_ended, 15)
+    told_after = time.monotonic() - resumed
     assert code == grpc.StatusCode.ABORTED, f"the paused member's stream ended with {code}"
+    # The node's group watch delivers the view that records it dead as soon as
+    # it runs again (the polling fallback is set to a minute here).
+    assert told_after < 2.0, f"the paused member learnt of its death {told_after:.1f}s after SIGCONT"
     for _ in range(10):
         await b.broadcast([b"after"] * 100, confirmed=True)
     await _wait_for(lambda: all(c.member_id in check.deaths for check in checks.values()), 15, "the death")

@@ -11,7 +11,7 @@ land, the retry answers VERSION_CONFLICT with the group that already holds it.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING, Self, TypeVar
 
@@ -110,6 +110,18 @@ class CoordinatorClient:
 
     async def cluster_status(self) -> coordinator_pb2.ClusterStatusResponse:
         return await self._call(lambda stub: stub.ClusterStatus, coordinator_pb2.ClusterStatusRequest())
+
+    async def watch(self, kinds: Sequence[str], after_revision: int) -> AsyncIterator[coordinator_pb2.WatchEvent]:
+        """Changes of `kinds` after `after_revision`, from the current coordinator. The
+        stream ends with an error if that coordinator goes; the next call goes elsewhere."""
+        request = coordinator_pb2.WatchRequest(kinds=kinds, after_revision=after_revision)
+        try:
+            async for event in self._stub().Watch(request):
+                yield event
+        except grpc.aio.AioRpcError as error:
+            if _retryable(error):
+                self._current = (self._current + 1) % len(self.addresses)
+            raise
 
     async def close(self) -> None:
         for channel in self._channels.values():
