@@ -1,0 +1,394 @@
+"""The master of a mirrored queue: every decision about its messages, as a pure state machine.
+
+Responsible for: publishing (dropping a retried publish by publisher id and
+sequence number, enforcing max-length / max-length-bytes with drop-head or
+reject-publish), consumers (prefetch, priorities, round robin, single active
+consumer), delivery tags, ack / nack / reject with `multiple` and requeue,
+basic get, message TTL (decided by the master's clock only, passed in as
+`now_ms`), dead-lettering, the delivery limit for poison messages, purge,
+and feeding a syncing mirror. Each input returns a `Step`: the reports to
+broadcast to the mirrors, in order (already applied to the master's own
+contents), the deliveries to hand to consumers, and the messages to
+dead-letter. No I/O, no clock, no randomness.
+
+Guarantees: the master's contents change only through the reports it emits,
+so a mirror applying them holds the same (ops.py); a requeued message keeps
+its place at the head side of the queue and is delivered with redelivered
+set; a message over the delivery limit is dead-lettered (or dropped), never
+delivered again; a consumer never holds more than its prefetch; an unknown
+delivery tag is refused without changing anything.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from services.queue.contents import QueueContents
+from services.queue.ops import Deliver, Depth, Discard, Enqueue, Message, Report, Requeue, Settle, SyncBatch, SyncDone
+
+SYNC_BATCH_MESSAGES = 1000
+
+
+class QueueError(Exception):
+    """A request the queue refuses; `code` is the gRPC status name to answer with."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass(frozen=True)
+class QueueLimits:
+    """What a queue's policy and arguments ask of it (None: no limit)."""
+
+    message_ttl_ms: int | None = None
+    max_length: int | None = None
+    max_length_bytes: int | None = None
+    overflow: str = "drop-head"
+    dead_letter_queue: str | None = None
+    delivery_limit: int | None = None
+    single_active_consumer: bool = False
+
+    @classmethod
+    def from_definition(cls, definition: Mapping[str, Any], single_active_consumer: bool = False) -> QueueLimits:
+        """From a policy definition (validated by services/coordinator/policies.py)."""
+        return cls(
+            message_ttl_ms=definition.get("message-ttl"),
+            max_length=definition.get("max-length"),
+            max_length_bytes=definition.get("max-length-bytes"),
+            overflow=definition.get("overflow", "drop-head"),
+            dead_letter_queue=definition.get("dead-letter-queue"),
+            delivery_limit=definition.get("delivery-limit"),
+            single_active_consumer=single_active_consumer,
+        )
+
+
+@dataclass(frozen=True)
+class Publish:
+    """A message as a publisher sends it."""
+
+    body: bytes
+    publisher: str = ""
+    seq: int = 0
+    persistent: bool = False
+    headers: Mapping[str, str] = field(default_factory=dict)
+    priority: int = 0
+    expiration_ms: int | None = None
+
+
+class PublishOutcome(enum.Enum):
+    ACCEPTED = "accepted"
+    DUPLICATE = "duplicate"  # confirm it: the queue already has it (or had it)
+    REJECTED = "rejected"  # nack it: the queue is full and its overflow is reject-publish
+
+
+@dataclass(frozen=True)
+class Delivery:
+    """A message handed to a consumer under a delivery tag."""
+
+    consumer: str
+    delivery_tag: int
+    message: Message
+    redelivered: bool
+
+
+@dataclass(frozen=True)
+class DeadLetter:
+    """A message leaving the queue for its dead-letter queue."""
+
+    message: Message
+    reason: str  # "expired" | "maxlen" | "rejected" | "delivery_limit"
+    target: str
+
+
+@dataclass
+class Step:
+    """What one input produced; carry out in this order: broadcast `reports`,
+    then hand out `deliveries`, then publish `dead_letters`."""
+
+    reports: list[Report] = field(default_factory=list)
+    deliveries: list[Delivery] = field(default_factory=list)
+    dead_letters: list[DeadLetter] = field(default_factory=list)
+
+
+@dataclass
+class _Consumer:
+    tag: str
+    prefetch: int  # 0: unlimited
+    priority: int
+    unacked: dict[int, int] = field(default_factory=dict)  # delivery tag -> message id
+    next_tag: int = 1
+
+    def has_credit(self) -> bool:
+        return self.prefetch == 0 or len(self.unacked) < self.prefetch
+
+
+GET_CONSUMER = ""  # basic.get deliveries awaiting ack are held under this pseudo consumer
+
+
+class QueueMaster:
+    """Decides for one queue; `contents` is shared with nothing else."""
+
+    def __init__(self, name: str, contents: QueueContents | None = None, limits: QueueLimits | None = None) -> None:
+        self.name = name
+        self.contents = contents if contents is not None else QueueContents()
+        self.limits = limits or QueueLimits()
+        self.next_id = self.contents.max_id + 1
+        self._consumers: dict[str, _Consumer] = {GET_CONSUMER: _Consumer(GET_CONSUMER, 0, -(2**31))}
+        self._sync: dict[str, list[int]] = {}  # target -> ids still to send, newest first
+
+    # -------------------------------------------------------------- publish
+
+    def publish(self, items: list[Publish], now_ms: int) -> tuple[Step, list[PublishOutcome]]:
+        step = Step()
+        outcomes = []
+        for item in items:
+            outcomes.append(self._publish_one(item, now_ms, step))
+        self._dispatch(step)
+        return step, outcomes
+
+    def _publish_one(self, item: Publish, now_ms: int, step: Step) -> PublishOutcome:
+        contents = self.contents
+        if contents.is_duplicate(item.publisher, item.seq):
+            return PublishOutcome.DUPLICATE
+        limits = self.limits
+        if limits.overflow == "reject-publish" and self._full(extra_bytes=len(item.body)):
+            return PublishOutcome.REJECTED
+        expiries = [now_ms + ttl for ttl in (limits.message_ttl_ms, item.expiration_ms) if ttl is not None]
+        message = Message(
+            id=self.next_id,
+            body=item.body,
+            publisher=item.publisher,
+            publisher_seq=item.seq,
+            persistent=item.persistent,
+            headers=dict(item.headers),
+            priority=item.priority,
+            enqueued_at_ms=now_ms,
+            expires_at_ms=min(expiries) if expiries else 0,
+        )
+        self.next_id += 1
+        self._report(Enqueue(message), step)
+        while self._over_limit():
+            head = contents.head()
+            if head is None:
+                break
+            self._discard([head.id], "maxlen", step)
+        return PublishOutcome.ACCEPTED
+
+    def _full(self, extra_bytes: int) -> bool:
+        limits, contents = self.limits, self.contents
+        if limits.max_length is not None and len(contents) + 1 > limits.max_length:
+            return True
+        return limits.max_length_bytes is not None and contents.bytes + extra_bytes > limits.max_length_bytes
+
+    def _over_limit(self) -> bool:
+        limits, contents = self.limits, self.contents
+        if limits.max_length is not None and len(contents) > limits.max_length:
+            return True
+        return limits.max_length_bytes is not None and contents.bytes > limits.max_length_bytes and len(contents) > 0
+
+    # ------------------------------------------------------------ consumers
+
+    def consume(self, tag: str, prefetch: int = 0, priority: int = 0) -> Step:
+        if not tag or tag in self._consumers:
+            raise QueueError("ALREADY_EXISTS", f"consumer tag {tag!r} is in use on queue {self.name!r}")
+        if prefetch < 0:
+            raise QueueError("INVALID_ARGUMENT", f"prefetch must be at least 0, got {prefetch}")
+        self._consumers[tag] = _Consumer(tag, prefetch, priority)
+        step = Step()
+        self._dispatch(step)
+        return step
+
+    def cancel(self, tag: str) -> Step:
+        """Remove a consumer; what it had not acknowledged goes back to the queue."""
+        consumer = self._consumers.pop(tag, None)
+        if consumer is None or tag == GET_CONSUMER:
+            raise QueueError("NOT_FOUND", f"no consumer {tag!r} on queue {self.name!r}")
+        step = Step()
+        self._requeue(list(consumer.unacked.values()), step)
+        self._dispatch(step)
+        return step
+
+    @property
+    def consumer_tags(self) -> list[str]:
+        return [tag for tag in self._consumers if tag != GET_CONSUMER]
+
+    def active_consumer(self) -> str | None:
+        """With single active consumer: the one that receives messages."""
+        tags = self.consumer_tags
+        return tags[0] if tags else None
+
+    # ---------------------------------------------------------- settlement
+
+    def ack(self, consumer: str, delivery_tag: int, multiple: bool = False) -> Step:
+        step = Step()
+        self._report(Settle(tuple(self._take_tags(consumer, delivery_tag, multiple))), step)
+        self._dispatch(step)
+        return step
+
+    def nack(self, consumer: str, delivery_tag: int, multiple: bool = False, requeue: bool = True) -> Step:
+        """Negative acknowledgement (reject is nack without multiple)."""
+        step = Step()
+        ids = self._take_tags(consumer, delivery_tag, multiple)
+        if requeue:
+            self._requeue(ids, step)
+        else:
+            self._discard(ids, "rejected", step)
+        self._dispatch(step)
+        return step
+
+    def _take_tags(self, consumer_tag: str, delivery_tag: int, multiple: bool) -> list[int]:
+        consumer = self._consumers.get(consumer_tag)
+        if consumer is None or delivery_tag not in consumer.unacked:
+            raise QueueError(
+                "FAILED_PRECONDITION",
+                f"unknown delivery tag {delivery_tag} for consumer {consumer_tag!r} on {self.name!r}",
+            )
+        tags = [t for t in consumer.unacked if t <= delivery_tag] if multiple else [delivery_tag]
+        return [consumer.unacked.pop(t) for t in sorted(tags)]
+
+    def _requeue(self, ids: list[int], step: Step) -> None:
+        limit = self.limits.delivery_limit
+        poisoned = [i for i in ids if limit is not None and self.contents.messages[i].delivery_count > limit]
+        back = [i for i in ids if i not in poisoned]
+        if back:
+            self._report(Requeue(tuple(back)), step)
+        if poisoned:
+            self._discard(poisoned, "delivery_limit", step)
+
+    # -------------------------------------------------------------------- get
+
+    def get(self, no_ack: bool) -> tuple[Step, Delivery | None]:
+        step = Step()
+        head = self.contents.head()
+        if head is None:
+            return step, None
+        delivery = self._deliver_to(self._consumers[GET_CONSUMER], head, step)
+        if no_ack:
+            self._take_tags(GET_CONSUMER, delivery.delivery_tag, False)
+            self._report(Settle((head.id,)), step)
+        return step, delivery
+
+    # -------------------------------------------------------------- time etc
+
+    def expire(self, now_ms: int) -> Step:
+        """Expire messages at the head whose time has come (the master's clock)."""
+        step = Step()
+        while (head := self.contents.head()) is not None and head.expires_at_ms and head.expires_at_ms <= now_ms:
+            self._discard([head.id], "expired", step)
+        self._dispatch(step)
+        return step
+
+    def next_expiry_ms(self) -> int | None:
+        """When `expire` has something to do next (for the shell's timer)."""
+        head = self.contents.head()
+        return head.expires_at_ms if head is not None and head.expires_at_ms else None
+
+    def purge(self) -> tuple[Step, int]:
+        step = Step()
+        ids = tuple(self.contents.ready_ids())
+        if ids:
+            self._report(Discard(ids, "purged"), step)
+        return step, len(ids)
+
+    def depth_report(self) -> Step:
+        step = Step()
+        self._report(Depth(self.contents.depth), step)
+        return step
+
+    def set_limits(self, limits: QueueLimits) -> Step:
+        """A policy change: apply the new limits now (max-length may drop heads)."""
+        self.limits = limits
+        step = Step()
+        while self._over_limit() and (head := self.contents.head()) is not None:
+            self._discard([head.id], "maxlen", step)
+        self._dispatch(step)
+        return step
+
+    # ------------------------------------------------------------------ sync
+
+    def start_sync(self, target: str, below_id: int) -> None:
+        """A mirror lacks every message older than `below_id` (0: everything)."""
+        ids = [i for i in self.contents.messages if below_id == 0 or i < below_id]
+        self._sync[target] = sorted(ids, reverse=True)  # from the sync point towards the head
+
+    def cancel_sync(self, target: str) -> bool:
+        return self._sync.pop(target, None) is not None
+
+    @property
+    def syncing(self) -> list[str]:
+        return list(self._sync)
+
+    def sync_next(self, target: str, batch: int = SYNC_BATCH_MESSAGES) -> Step:
+        """The next batch for `target`, as the master holds those messages now;
+        the last one is followed by SyncDone and a Depth report."""
+        step = Step()
+        pending = self._sync.get(target)
+        if pending is None:
+            return step
+        chunk, self._sync[target] = pending[:batch], pending[batch:]
+        messages = self.contents.messages
+        present = [messages[i] for i in chunk if i in messages]
+        ready = tuple(m for m in present if m.id not in self.contents.unacked)
+        unacked = tuple(m for m in present if m.id in self.contents.unacked)
+        if ready or unacked:
+            self._report(SyncBatch(target, ready, unacked), step)
+        if not self._sync[target]:
+            del self._sync[target]
+            self._report(SyncDone(target), step)
+            self._report(Depth(self.contents.depth), step)
+        return step
+
+    # -------------------------------------------------------------- helpers
+
+    def _report(self, report: Report, step: Step) -> None:
+        self.contents.apply(report)
+        step.reports.append(report)
+
+    def _discard(self, ids: list[int], reason: str, step: Step) -> None:
+        target = self.limits.dead_letter_queue
+        if target and reason != "purged":
+            for message_id in ids:
+                step.dead_letters.append(DeadLetter(self.contents.messages[message_id], reason, target))
+        self._report(Discard(tuple(ids), reason), step)
+
+    def _dispatch(self, step: Step) -> None:
+        delivered: list[int] = []
+        while (head := self.contents.head()) is not None:
+            consumer = self._pick()
+            if consumer is None:
+                break
+            self.contents.apply(Deliver((head.id,)))
+            delivered.append(head.id)
+            tag = consumer.next_tag
+            consumer.next_tag += 1
+            consumer.unacked[tag] = head.id
+            step.deliveries.append(Delivery(consumer.tag, tag, head, head.redelivered))
+            if not self.limits.single_active_consumer:
+                # Round robin among equals: the one just served goes to the back.
+                self._consumers[consumer.tag] = self._consumers.pop(consumer.tag)
+        if delivered:
+            step.reports.append(Deliver(tuple(delivered)))
+
+    def _deliver_to(self, consumer: _Consumer, message: Message, step: Step) -> Delivery:
+        self._report(Deliver((message.id,)), step)
+        tag = consumer.next_tag
+        consumer.next_tag += 1
+        consumer.unacked[tag] = message.id
+        return Delivery(consumer.tag, tag, message, message.redelivered)
+
+    def _pick(self) -> _Consumer | None:
+        real = [c for c in self._consumers.values() if c.tag != GET_CONSUMER]
+        if not real:
+            return None
+        if self.limits.single_active_consumer:
+            active = self._consumers[self.active_consumer() or ""]
+            return active if active.has_credit() else None
+        ready = [c for c in real if c.has_credit()]
+        if not ready:
+            return None
+        best = max(c.priority for c in ready)
+        return next(c for c in ready if c.priority == best)

@@ -1,0 +1,68 @@
+"""A mirror of a queue: applies the master's reports, knows when it is synchronised,
+and becomes the master when promoted.
+
+Responsible for: applying reports (contents.py), detecting synchronisation
+by depth as RabbitMQ does (a mirror holding as many messages, ready plus
+pending acknowledgement, as the master at the same point of the master's
+report stream holds exactly the same ones, since it can only lack the oldest),
+asking for a sync and absorbing sync batches while the queue keeps working,
+and promotion.
+
+Guarantees: `synchronised` is set only at a Depth report whose depth equals
+this mirror's, and cleared if a later Depth report disagrees (a failed
+operation on this replica: the inconsistent-error rule, it re-syncs); on
+promotion every message pending acknowledgement goes back to the queue as
+redelivered (its consumer was attached to the dead master), and the new
+master carries on with ids after the highest it knows.
+"""
+
+from __future__ import annotations
+
+from services.queue.contents import QueueContents
+from services.queue.master import QueueLimits, QueueMaster, Step
+from services.queue.ops import Depth, MirrorSays, Report, Requeue, SyncDone, Synchronised, SyncRequest
+
+
+class QueueMirror:
+    """One mirror of the queue `name`, as the GM member `member`."""
+
+    def __init__(self, name: str, member: str, contents: QueueContents | None = None) -> None:
+        self.name = name
+        self.member = member
+        self.contents = contents if contents is not None else QueueContents()
+        self.synchronised = False
+        self.sync_requested = False
+
+    def apply(self, report: Report) -> list[MirrorSays]:
+        """Apply one report of the master; returns what to tell the master, if anything."""
+        self.contents.apply(report)
+        if isinstance(report, Depth):
+            in_sync = self.contents.depth == report.depth
+            if in_sync and not self.synchronised:
+                self.synchronised = True
+                self.sync_requested = False
+                return [Synchronised(self.member)]
+            if not in_sync and self.synchronised:
+                self.synchronised = False  # lost a message somehow: re-sync
+        elif isinstance(report, SyncDone) and report.target == self.member:
+            self.sync_requested = False
+        return []
+
+    def request_sync(self) -> SyncRequest:
+        """Ask for every message older than the first this mirror received."""
+        self.sync_requested = True
+        return SyncRequest(self.member, self.contents.first_enqueued_id)
+
+    def promote(self, limits: QueueLimits) -> tuple[QueueMaster, Step]:
+        """Become the master: requeue what was pending acknowledgement, announce the depth."""
+        master = QueueMaster(self.name, self.contents, limits)
+        step = Step()
+        pending = tuple(sorted(self.contents.unacked))
+        if pending:
+            requeue = Requeue(pending)
+            self.contents.apply(requeue)
+            step.reports.append(requeue)
+        depth = Depth(self.contents.depth)
+        self.contents.apply(depth)
+        step.reports.append(depth)
+        return master, step

@@ -1,0 +1,126 @@
+"""What a queue's master reports to its mirrors over the GM ring, and what mirrors say back.
+
+Responsible for: the vocabulary of mirrored queues. The master decides
+(which message goes to which consumer, what expires, what is dropped) and
+*reports* each decision by message id; mirrors apply the reports in order and
+never decide anything themselves (Qpid's "report, do not predict"). Because
+the GM ring delivers one sender's messages in order to every member, every
+mirror sees the master's reports in the order the master made them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class Message:
+    """A message as a queue holds it."""
+
+    id: int
+    body: bytes
+    publisher: str = ""
+    publisher_seq: int = 0
+    persistent: bool = False
+    headers: dict[str, str] = field(default_factory=dict)
+    priority: int = 0
+    enqueued_at_ms: int = 0
+    # Absolute expiry on the master's clock (0: never), from the queue's
+    # message-ttl and the message's own expiration, whichever is sooner.
+    expires_at_ms: int = 0
+    # How many times it has been handed to a consumer.
+    delivery_count: int = 0
+
+    @property
+    def redelivered(self) -> bool:
+        return self.delivery_count > 1
+
+    @property
+    def size(self) -> int:
+        return len(self.body)
+
+
+# ---------------------------------------------------------- master -> mirrors
+
+
+@dataclass(frozen=True, slots=True)
+class Enqueue:
+    """A message joined the tail of the queue."""
+
+    message: Message
+
+
+@dataclass(frozen=True, slots=True)
+class Deliver:
+    """Messages went from ready to a consumer (now pending acknowledgement)."""
+
+    ids: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Settle:
+    """Messages were acknowledged: gone."""
+
+    ids: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Requeue:
+    """Messages pending acknowledgement went back to ready, in their original place."""
+
+    ids: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Discard:
+    """Messages left the queue without acknowledgement: expired, dropped by
+    max-length, rejected without requeue, over the delivery limit, purged."""
+
+    ids: tuple[int, ...]
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class Depth:
+    """The master's depth (ready + pending acknowledgement) at this point of the stream."""
+
+    depth: int
+
+
+@dataclass(frozen=True, slots=True)
+class SyncBatch:
+    """Messages a syncing mirror lacks, as the master holds them now: `ready`
+    ones and ones pending acknowledgement (`unacked`)."""
+
+    target: str
+    ready: tuple[Message, ...]
+    unacked: tuple[Message, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class SyncDone:
+    """The master sent every message older than the target's first one."""
+
+    target: str
+
+
+# ---------------------------------------------------------- mirrors -> master
+
+
+@dataclass(frozen=True, slots=True)
+class SyncRequest:
+    """A mirror lacks every message older than `below_id` and asks for them."""
+
+    member: str
+    below_id: int
+
+
+@dataclass(frozen=True, slots=True)
+class Synchronised:
+    """A mirror holds exactly what the master holds."""
+
+    member: str
+
+
+Report = Enqueue | Deliver | Settle | Requeue | Discard | Depth | SyncBatch | SyncDone
+MirrorSays = SyncRequest | Synchronised
