@@ -28,7 +28,7 @@ from typing import Any
 
 import grpc
 
-from ringq.v1 import group_pb2, group_pb2_grpc, peer_pb2, peer_pb2_grpc
+from ringq.v1 import group_pb2, group_pb2_grpc, peer_pb2, peer_pb2_grpc, queue_pb2_grpc
 from services.arguments import OneLineParser, address_argument, addresses_argument, node_id_argument
 from services.coordinator.client import CoordinatorClient
 from services.coordinator.convert import group_from_proto, group_to_proto
@@ -39,6 +39,8 @@ from services.gm.links import CHANNEL_OPTIONS, LinkManager
 from services.gm.member import MemberEvent, MemberShell
 from services.gm.messages import Action, Deliver, Joined, MembersChanged, RingMessage, Stopped
 from services.gm.ring import NotJoined, RingMember
+from services.queue.manager import QueueManager
+from services.queue.service import QueueServicer
 
 log = logging.getLogger("ringq.node")
 
@@ -89,7 +91,7 @@ class Node:
         self.links = LinkManager(
             node_id,
             self.incarnation,
-            self._address_of,
+            self.address_of,
             self._on_ring_message,
             self._on_reconnect,
             heartbeat_interval=settings.heartbeat_interval,
@@ -201,9 +203,9 @@ class Node:
         deadline = time.monotonic() + self.settings.failure_timeout
         request = peer_pb2.AddOnRightRequest(group=group, left=left, newcomer=newcomer, newcomer_node=self.id)
         while True:
-            address = await self._address_of(node)
+            address = await self.address_of(node)
             if address is not None:
-                stub = peer_pb2_grpc.PeerServiceStub(self._peer_channel(address))
+                stub = peer_pb2_grpc.PeerServiceStub(self.peer_channel(address))
                 try:
                     response = await stub.AddOnRight(request, timeout=self.settings.failure_timeout + 5.0)
                     return group_from_proto(response.group)
@@ -225,7 +227,7 @@ class Node:
 
     # ------------------------------------------------------------------ links
 
-    async def _address_of(self, node: str) -> str | None:
+    async def address_of(self, node: str) -> str | None:
         if node not in self._addresses:
             try:
                 self._addresses.update(await self.coordinator.list_nodes())
@@ -233,7 +235,7 @@ class Node:
                 return None
         return self._addresses.get(node)
 
-    def _peer_channel(self, address: str) -> grpc.aio.Channel:
+    def peer_channel(self, address: str) -> grpc.aio.Channel:
         channel = self._peer_channels.get(address)
         if channel is None:
             channel = self._peer_channels[address] = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
@@ -461,8 +463,12 @@ async def serve(node_id: str, listen: str, coordinator: str, settings: NodeSetti
     node = Node(node_id, address, client, settings)
     group_pb2_grpc.add_GroupServiceServicer_to_server(GroupServicer(node), server)
     peer_pb2_grpc.add_PeerServiceServicer_to_server(PeerServicer(node), server)
+    queues = QueueManager(node, client)
+    queue_servicer = QueueServicer(node.id, queues, client, node.address_of, node.peer_channel)
+    queue_pb2_grpc.add_QueueServiceServicer_to_server(queue_servicer, server)
     await server.start()
     await node.start()
+    await queues.start()
     if ready_file:
         tmp = f"{ready_file}.tmp"
         Path(tmp).write_text(address)
@@ -473,6 +479,7 @@ async def serve(node_id: str, listen: str, coordinator: str, settings: NodeSetti
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
+    await queues.stop()
     await node.stop()
     await server.stop(grace=1.0)
 

@@ -19,8 +19,15 @@ import grpc
 from tenacity import AsyncRetrying, retry_if_exception, stop_after_delay, wait_exponential
 
 from ringq.v1 import coordinator_pb2, coordinator_pb2_grpc
-from services.coordinator.convert import change_to_request, group_from_proto, outcome_from_proto
+from services.coordinator.convert import (
+    change_to_request,
+    group_from_proto,
+    outcome_from_proto,
+    queue_from_proto,
+    queue_to_proto,
+)
 from services.coordinator.group_table import Group, GroupChange, Outcome
+from services.coordinator.metadata import QueueRecord
 
 _Req = TypeVar("_Req")
 _Resp = TypeVar("_Resp")
@@ -110,6 +117,37 @@ class CoordinatorClient:
 
     async def cluster_status(self) -> coordinator_pb2.ClusterStatusResponse:
         return await self._call(lambda stub: stub.ClusterStatus, coordinator_pb2.ClusterStatusRequest())
+
+    async def declare_queue(self, queue: QueueRecord, preferred_master: str = "") -> QueueRecord:
+        request = coordinator_pb2.DeclareQueueRequest(
+            vhost=queue.vhost,
+            name=queue.name,
+            durable=queue.durable,
+            auto_delete=queue.auto_delete,
+            exclusive_owner=queue.exclusive_owner,
+            arguments=dict(queue.arguments),
+            preferred_master=preferred_master,
+        )
+        response = await self._call(lambda stub: stub.DeclareQueue, request)
+        return queue_from_proto(response.queue)
+
+    async def get_queue(self, vhost: str, name: str) -> QueueRecord:
+        """The queue record; grpc.aio.AioRpcError NOT_FOUND if absent."""
+        response = await self._call(lambda stub: stub.GetQueue, coordinator_pb2.GetQueueRequest(vhost=vhost, name=name))
+        return queue_from_proto(response.queue)
+
+    async def list_queues(self, vhost: str = "") -> list[QueueRecord]:
+        response = await self._call(lambda stub: stub.ListQueues, coordinator_pb2.ListQueuesRequest(vhost=vhost))
+        return [queue_from_proto(q) for q in response.queues]
+
+    async def update_queue(self, queue: QueueRecord, expected_version: int) -> QueueRecord:
+        """Compare-and-set; grpc.aio.AioRpcError ABORTED on a conflict."""
+        request = coordinator_pb2.UpdateQueueRequest(queue=queue_to_proto(queue), expected_version=expected_version)
+        response = await self._call(lambda stub: stub.UpdateQueue, request)
+        return queue_from_proto(response.queue)
+
+    async def delete_queue(self, vhost: str, name: str) -> None:
+        await self._call(lambda stub: stub.DeleteQueue, coordinator_pb2.DeleteQueueRequest(vhost=vhost, name=name))
 
     async def watch(self, kinds: Sequence[str], after_revision: int) -> AsyncIterator[coordinator_pb2.WatchEvent]:
         """Changes of `kinds` after `after_revision`, from the current coordinator. The

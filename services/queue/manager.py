@@ -1,0 +1,167 @@
+"""The queues of one node: which replicas it runs, kept in step with the coordinator.
+
+Responsible for: starting a replica (master or mirror) for every queue record
+that names this node, refreshing replicas when their record changes and
+stopping those no longer placed here, all from the coordinator's Watch of
+queue records (and one listing at start); compare-and-set updates of queue
+records on behalf of replicas (promotion, synchronised mirrors); routing dead
+letters to their queue's master.
+Guarantees: at most one replica per queue on a node; a record update is
+computed from the latest record and retried on a conflict, so concurrent
+updates from several replicas never lose one another.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Protocol
+
+import grpc
+
+from services.coordinator.client import CoordinatorClient
+from services.coordinator.convert import queue_from_proto
+from services.coordinator.metadata import QueueRecord
+from services.gm.member import MemberEvent, MemberShell
+from services.queue.master import Publish, QueueError
+from services.queue.replica import QueueReplica
+
+log = logging.getLogger("ringq.queues")
+QueueKey = tuple[str, str]
+
+
+class QueueNode(Protocol):
+    """What the manager needs from its node."""
+
+    id: str
+
+    def new_member(self, group: str, events: Callable[[MemberEvent], None]) -> MemberShell: ...
+
+
+class QueueManager:
+    """Runs this node's queue replicas."""
+
+    def __init__(self, node: QueueNode, coordinator: CoordinatorClient) -> None:
+        self.node = node
+        self.node_id = node.id
+        self.coordinator = coordinator
+        self.replicas: dict[QueueKey, QueueReplica] = {}
+        self._starting: dict[QueueKey, asyncio.Future[QueueReplica | None]] = {}
+        self._tasks: set[asyncio.Future[None]] = set()
+        self.forward_publish: Callable[[QueueRecord, list[Publish]], Awaitable[None]] | None = None
+
+    async def start(self) -> None:
+        self._spawn(self._follow_records())
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for replica in list(self.replicas.values()):
+            await replica.stop()
+
+    def _spawn(self, coroutine: Awaitable[None]) -> None:
+        task: asyncio.Future[None] = asyncio.ensure_future(coroutine)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    # --------------------------------------------------------------- records
+
+    async def _follow_records(self) -> None:
+        revision = 0
+        while True:
+            try:
+                if revision == 0:
+                    for record in await self.coordinator.list_queues():
+                        await self.ensure(record)
+                async for event in self.coordinator.watch(["queue"], revision):
+                    revision = event.revision
+                    if event.resync:
+                        revision = 0
+                        break
+                    if event.deleted:
+                        await self._drop_key(event.key)
+                    else:
+                        await self.ensure(queue_from_proto(event.queue))
+            except grpc.aio.AioRpcError as error:
+                log.debug("queue watch interrupted: %s", error.code().name)
+            await asyncio.sleep(0.2)
+
+    async def _drop_key(self, key: str) -> None:
+        for queue_key, replica in list(self.replicas.items()):
+            if replica.record.key == key:
+                del self.replicas[queue_key]
+                await replica.stop()
+
+    async def ensure(self, record: QueueRecord) -> QueueReplica | None:
+        """Run a replica of `record` here if it names this node; returns it (None if not placed here)."""
+        key = (record.vhost, record.name)
+        placed_here = self.node_id == record.master or self.node_id in record.mirrors
+        replica = self.replicas.get(key)
+        if replica is not None:
+            if placed_here and replica.record.gm_group == record.gm_group:
+                replica.on_record(record)
+                return replica
+            del self.replicas[key]
+            await replica.stop()
+            if not placed_here:
+                return None
+        if not placed_here:
+            return None
+        starting = self._starting.get(key)
+        if starting is not None:
+            return await asyncio.shield(starting)
+        future: asyncio.Future[QueueReplica | None] = asyncio.get_running_loop().create_future()
+        self._starting[key] = future
+        try:
+            replica = QueueReplica(self, record)
+            await replica.start()
+            self.replicas[key] = replica
+            future.set_result(replica)
+            return replica
+        except Exception as error:
+            log.warning("queue %s: replica did not start: %r", record.name, error)
+            future.set_result(None)
+            return None
+        finally:
+            del self._starting[key]
+
+    def local(self, vhost: str, name: str) -> QueueReplica | None:
+        return self.replicas.get((vhost, name))
+
+    # ------------------------------------------------------------ ReplicaHost
+
+    def new_member(self, group: str, events: Callable[[MemberEvent], None]) -> MemberShell:
+        return self.node.new_member(group, events)
+
+    async def update_record(
+        self, record: QueueRecord, change: Callable[[QueueRecord], QueueRecord | None]
+    ) -> QueueRecord:
+        while True:
+            current = await self.coordinator.get_queue(record.vhost, record.name)
+            updated = change(current)
+            if updated is None:
+                return current
+            try:
+                return await self.coordinator.update_queue(updated, current.version)
+            except grpc.aio.AioRpcError as error:
+                if error.code() != grpc.StatusCode.ABORTED:
+                    raise
+
+    async def dead_letter(self, vhost: str, queue: str, items: list[Publish]) -> None:
+        """Publish dead letters to their queue (at least once: retried until confirmed)."""
+        for attempt in range(50):
+            try:
+                record = await self.coordinator.get_queue(vhost, queue)
+                replica = self.local(vhost, queue)
+                if replica is not None and replica.is_master:
+                    await replica.publish(items)
+                elif self.forward_publish is not None:
+                    await self.forward_publish(record, items)
+                return
+            except (grpc.aio.AioRpcError, QueueError, ConnectionError) as error:
+                log.warning("dead letters for %s not delivered yet (%r), retrying", queue, error)
+                with contextlib.suppress(asyncio.CancelledError):
+                    await asyncio.sleep(min(0.1 * (attempt + 1), 2.0))
+        log.error("gave up dead-lettering %d messages to %s", len(items), queue)

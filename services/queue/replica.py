@@ -1,0 +1,388 @@
+"""One queue's replica on a node: its master or a mirror, and the GM member that links them.
+
+Responsible for: running the pure queue core (master.py / mirror.py) against
+real I/O. The master turns each client request into a Step and broadcasts the
+Step's reports on the queue's GM group with confirmation; only when the ring
+confirms (every live member holds the reports) does it answer publishers,
+hand deliveries to consumers and forward dead letters. A mirror applies the
+master's reports and tells the master when it wants a sync or is
+synchronised. When the master's GM member dies, the eldest synchronised
+mirror promotes itself (the ring reports the death only after every message
+of the dead master was delivered, so no report is lost or applied twice).
+
+Guarantees: a confirm is sent only for a message every live replica holds;
+a delivery reaches a consumer only once every live replica knows it was
+delivered, so after a failover it comes back with the redelivered flag;
+steps are broadcast in the order they were decided.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from services.coordinator.metadata import QueueRecord
+from services.gm.member import MemberEvent, MemberShell
+from services.gm.messages import Deliver as GmDeliver
+from services.gm.messages import Joined, MembersChanged, Stopped
+from services.queue import wire
+from services.queue.master import Delivery, Publish, PublishOutcome, QueueError, QueueLimits, QueueMaster, Step
+from services.queue.mirror import QueueMirror
+from services.queue.ops import Synchronised, SyncRequest
+
+log = logging.getLogger("ringq.queue")
+DEPTH_REPORT_SECONDS = 1.0
+
+
+def node_of(member: str) -> str:
+    """The node hosting a GM member (member ids are NODE.HEX)."""
+    return member.rsplit(".", 1)[0]
+
+
+def now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+class ReplicaHost(Protocol):
+    """What a replica needs from its node."""
+
+    node_id: str
+
+    def new_member(self, group: str, events: Callable[[MemberEvent], None]) -> MemberShell: ...
+
+    async def update_record(
+        self, record: QueueRecord, change: Callable[[QueueRecord], QueueRecord | None]
+    ) -> QueueRecord: ...
+
+    async def dead_letter(self, vhost: str, queue: str, bodies: list[Publish]) -> None: ...
+
+
+@dataclass
+class Consumer:
+    tag: str
+    deliveries: asyncio.Queue[Delivery | None] = field(default_factory=asyncio.Queue)
+
+
+class QueueReplica:
+    """The replica of `record` on this node."""
+
+    def __init__(self, host: ReplicaHost, record: QueueRecord) -> None:
+        self.host = host
+        self.record = record
+        self.limits = QueueLimits.from_definition(
+            record.policy_definition, record.arguments.get("x-single-active-consumer") == "true"
+        )
+        self.master: QueueMaster | None = None
+        self.mirror: QueueMirror | None = None
+        if record.master == host.node_id:
+            self.master = QueueMaster(record.name, limits=self.limits)
+        self.member: MemberShell | None = None
+        self.members: set[str] = set()
+        self.consumers: dict[str, Consumer] = {}
+        self.status = "starting"
+        self._last_confirm: asyncio.Future[None] | None = None
+        self._tasks: set[asyncio.Future[None]] = set()
+        self._stopped = asyncio.Event()
+        self._timer: asyncio.TimerHandle | None = None
+
+    @property
+    def is_master(self) -> bool:
+        return self.master is not None
+
+    # ---------------------------------------------------------------- start
+
+    async def start(self) -> None:
+        member = self.host.new_member(self.record.gm_group, self._on_member_event)
+        self.member = member
+        joined = asyncio.ensure_future(member.joined.wait())
+        stopped = asyncio.ensure_future(member.wait_stopped())
+        await asyncio.wait({joined, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        joined.cancel()
+        stopped.cancel()
+        if not member.joined.is_set():
+            raise ConnectionError(f"queue {self.record.name}: could not join its group")
+        if self.master is None:
+            self.mirror = QueueMirror(self.record.name, member.id)
+            self.status = "mirror"
+            if self.record.policy_definition.get("ha-sync-mode", "manual") == "automatic":
+                self._say(self.mirror.request_sync())
+        else:
+            self.status = "running"
+            self._spawn(self._depth_reports())
+
+    async def stop(self) -> None:
+        for consumer in self.consumers.values():
+            consumer.deliveries.put_nowait(None)
+        for task in self._tasks:
+            task.cancel()
+        if self.member is not None and self.member.stopped is None:
+            self.member.leave()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self.member.wait_stopped(), 3.0)
+        self._stopped.set()
+
+    def _spawn(self, coroutine: Awaitable[None]) -> None:
+        task: asyncio.Future[None] = asyncio.ensure_future(coroutine)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    # ------------------------------------------------------- master: requests
+
+    def _require_master(self) -> QueueMaster:
+        if self.master is None:
+            raise QueueError("UNAVAILABLE", f"queue {self.record.name!r} has no master on this node ({self.status})")
+        return self.master
+
+    async def publish(self, items: list[Publish]) -> list[PublishOutcome]:
+        step, outcomes = self._require_master().publish(items, now_ms())
+        await self._carry_out(step)
+        return outcomes
+
+    async def consume(self, tag: str, prefetch: int, priority: int) -> Consumer:
+        master = self._require_master()
+        consumer = Consumer(tag)
+        self.consumers[tag] = consumer
+        try:
+            step = master.consume(tag, prefetch, priority)
+        except QueueError:
+            del self.consumers[tag]
+            raise
+        self._spawn(self._carry_out(step))
+        return consumer
+
+    async def cancel(self, tag: str) -> None:
+        consumer = self.consumers.pop(tag, None)
+        if consumer is None or self.master is None:
+            return
+        with contextlib.suppress(QueueError):
+            await self._carry_out(self.master.cancel(tag))
+
+    async def settle(self, tag: str, delivery_tag: int, multiple: bool, kind: str) -> None:
+        master = self._require_master()
+        if kind == "ack":
+            step = master.ack(tag, delivery_tag, multiple)
+        else:
+            step = master.nack(tag, delivery_tag, multiple, requeue=kind == "requeue")
+        await self._carry_out(step)
+
+    async def get(self, no_ack: bool) -> Delivery | None:
+        step, delivery = self._require_master().get(no_ack)
+        await self._carry_out(step)
+        return delivery
+
+    async def purge(self) -> int:
+        step, count = self._require_master().purge()
+        await self._carry_out(step)
+        return count
+
+    def sync_unsynchronised(self) -> None:
+        """ringqctl sync_queue: send every unsynchronised mirror what it lacks,
+        batch by batch, while the queue keeps serving."""
+        master = self._require_master()
+        view = self.member.core.view if self.member is not None else None
+        for member_id in view.live if view is not None else ():
+            node = node_of(member_id)
+            unsynchronised = node in self.record.mirrors and node not in self.record.synchronised_mirrors
+            if unsynchronised and member_id not in master.syncing:
+                master.start_sync(member_id, 0)  # everything: a mirror skips what it has
+                self._spawn(self._sync(member_id))
+
+    def cancel_syncs(self) -> None:
+        """ringqctl cancel_sync_queue."""
+        master = self._require_master()
+        for target in master.syncing:
+            master.cancel_sync(target)
+
+    # --------------------------------------------------- master: carrying out
+
+    async def _carry_out(self, step: Step) -> None:
+        """Broadcast the step's reports with confirmation, then act on it."""
+        member = self.member
+        assert member is not None
+        previous = self._last_confirm
+        confirmed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._last_confirm = confirmed
+        try:
+            if step.reports:
+                await member.broadcast([wire.encode(r) for r in step.reports], confirmed=True)
+            elif previous is not None:
+                await asyncio.shield(previous)  # nothing new: wait for what came before
+        except BaseException as error:
+            if not confirmed.done():
+                confirmed.set_exception(ConnectionAbortedError(f"queue {self.record.name}: {error!r}"))
+                confirmed.exception()  # retrieved: nobody else may wait on it
+            raise
+        confirmed.set_result(None)
+        for delivery in step.deliveries:
+            consumer = self.consumers.get(delivery.consumer)
+            if consumer is not None:
+                consumer.deliveries.put_nowait(delivery)
+        dead: dict[str, list[Publish]] = {}
+        for letter in step.dead_letters:
+            headers = {**letter.message.headers, "x-death-reason": letter.reason, "x-death-queue": self.record.name}
+            dead.setdefault(letter.target, []).append(Publish(letter.message.body, headers=headers))
+        for target, items in dead.items():
+            self._spawn(self.host.dead_letter(self.record.vhost, target, items))
+        self._arm_expiry()
+
+    def _arm_expiry(self) -> None:
+        master = self.master
+        if master is None:
+            return
+        due = master.next_expiry_ms()
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if due is not None:
+            delay = max(0.0, (due - now_ms()) / 1000)
+            self._timer = asyncio.get_running_loop().call_later(delay, self._expire_due)
+
+    def _expire_due(self) -> None:
+        self._timer = None
+        if self.master is not None:
+            self._spawn(self._carry_out(self.master.expire(now_ms())))
+
+    async def _depth_reports(self) -> None:
+        while True:
+            await asyncio.sleep(DEPTH_REPORT_SECONDS)
+            master = self.master
+            if master is not None and set(self.record.mirrors) - set(self.record.synchronised_mirrors):
+                await self._carry_out(master.depth_report())
+
+    async def _sync(self, target: str) -> None:
+        master = self.master
+        while master is not None and target in master.syncing:
+            await self._carry_out(master.sync_next(target))
+
+    # -------------------------------------------------------- the GM member
+
+    def _on_member_event(self, event: MemberEvent) -> None:
+        if isinstance(event, Joined):
+            self.members = set(event.members)
+        elif isinstance(event, MembersChanged):
+            self.members |= set(event.births)
+            self.members -= set(event.deaths)
+            if event.deaths:
+                self._spawn(self._after_deaths(set(event.deaths)))
+        elif isinstance(event, GmDeliver):
+            if self.member is not None and event.publisher == self.member.id:
+                return  # our own reports, applied when decided
+            for body in event.bodies:
+                self._on_report(event.publisher, body)
+        elif isinstance(event, Stopped):
+            self.status = f"stopped: {event.reason}"
+            for consumer in self.consumers.values():
+                consumer.deliveries.put_nowait(None)
+
+    def _on_report(self, publisher: str, body: bytes) -> None:
+        try:
+            report = wire.decode(body)
+        except ValueError as error:
+            log.warning("queue %s: dropping a malformed report from %s: %s", self.record.name, publisher, error)
+            return
+        if isinstance(report, SyncRequest | Synchronised):
+            if self.master is not None:
+                self._from_mirror(report)
+            return
+        # Only a master sends reports (mirrors send SyncRequest / Synchronised),
+        # and a new master exists only after the ring delivered all of the old one's.
+        if self.mirror is not None:
+            for said in self.mirror.apply(report):
+                self._say(said)
+
+    def _from_mirror(self, said: SyncRequest | Synchronised) -> None:
+        master = self.master
+        assert master is not None
+        if isinstance(said, SyncRequest):
+            master.start_sync(said.member, said.below_id)
+            self._spawn(self._sync(said.member))
+            return
+        node = node_of(said.member)
+
+        def mark(record: QueueRecord) -> QueueRecord | None:
+            if node not in record.mirrors or node in record.synchronised_mirrors:
+                return None
+            return _replace_record(record, synchronised_mirrors=(*record.synchronised_mirrors, node))
+
+        self._spawn(self._update(mark))
+
+    def _say(self, said: SyncRequest | Synchronised) -> None:
+        member = self.member
+        if member is not None and member.stopped is None:
+            self._spawn(_quietly(member.broadcast([wire.encode(said)], confirmed=False)))
+
+    async def _update(self, change: Callable[[QueueRecord], QueueRecord | None]) -> None:
+        self.record = await self.host.update_record(self.record, change)
+
+    def on_record(self, record: QueueRecord) -> None:
+        """The coordinator's record changed (its Watch): keep the newest version."""
+        if record.version > self.record.version:
+            self.record = record
+
+    async def _after_deaths(self, deaths: set[str]) -> None:
+        """A member died: if it was the master, the eldest synchronised mirror takes over."""
+        master_died = any(node_of(d) == self.record.master for d in deaths)
+        dead_nodes = {node_of(d) for d in deaths}
+        if self.master is not None:
+
+            def drop_mirrors(record: QueueRecord) -> QueueRecord | None:
+                if not dead_nodes & set(record.mirrors):
+                    return None
+                mirrors = tuple(m for m in record.mirrors if m not in dead_nodes)
+                synced = tuple(m for m in record.synchronised_mirrors if m not in dead_nodes)
+                return _replace_record(record, mirrors=mirrors, synchronised_mirrors=synced)
+
+            await self._update(drop_mirrors)
+            return
+        if not master_died or self.mirror is None:
+            return
+        await self._promote_if_eldest(dead_nodes)
+
+    async def _promote_if_eldest(self, dead_nodes: set[str]) -> None:
+        record = self.record
+        view = self.member.core.view if self.member is not None else None
+        live_nodes = {node_of(m) for m in (view.live if view is not None else self.members)}
+        candidates = [m for m in record.mirrors if m in record.synchronised_mirrors and m in live_nodes]
+        promote_unsynchronised = record.policy_definition.get("ha-promote-on-failure", "when-synced") == "always"
+        if not candidates and promote_unsynchronised:
+            candidates = [m for m in record.mirrors if m in live_nodes]
+        if not candidates:
+            self.status = "unavailable: no synchronised mirror to promote (ha-promote-on-failure is when-synced)"
+            log.warning("queue %s: %s", record.name, self.status)
+            return
+        if candidates[0] != self.host.node_id:
+            return
+        mirror = self.mirror
+        assert mirror is not None
+        synced = mirror.synchronised
+
+        def promote(current: QueueRecord) -> QueueRecord | None:
+            mirrors = tuple(m for m in current.mirrors if m != self.host.node_id and m not in dead_nodes)
+            synchronised = tuple(m for m in current.synchronised_mirrors if m in mirrors)
+            return _replace_record(
+                current, master=self.host.node_id, mirrors=mirrors, synchronised_mirrors=synchronised
+            )
+
+        self.master, step = mirror.promote(self.limits)
+        self.mirror = None
+        self.status = "running" if synced else "running (promoted unsynchronised: messages may be lost)"
+        log.info("queue %s: promoted on %s (%s)", record.name, self.host.node_id, self.status)
+        await self._update(promote)
+        await self._carry_out(step)
+        self._spawn(self._depth_reports())
+
+
+def _replace_record(record: QueueRecord, **changes: object) -> QueueRecord:
+    from dataclasses import replace
+
+    return replace(record, **changes)  # type: ignore[arg-type]
+
+
+async def _quietly(call: Awaitable[object]) -> None:
+    with contextlib.suppress(Exception):
+        await call

@@ -1,0 +1,382 @@
+"""QueueService on a node: mirrored queues for applications.
+
+Responsible for: validating client requests, serving those for queues whose
+master runs on this node, and forwarding the others to the master's node
+(unary calls relayed, publish and consume streams proxied), so any node
+accepts any call (active-active front, single master per queue). Errors are
+gRPC statuses with a clear message: NOT_FOUND for an unknown queue,
+INVALID_ARGUMENT for bad input, FAILED_PRECONDITION for a redeclaration that
+differs or an unknown delivery tag, UNAVAILABLE (retry) while a queue has no
+master, e.g. during a promotion.
+Guarantees: a publish stream answers its batches in order; each message is
+answered exactly once, after the master's replicas hold it; a consume stream
+that ends (client gone) cancels its consumer, requeuing what it had not
+acknowledged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, TypeVar
+
+import grpc
+
+from ringq.v1 import queue_pb2, queue_pb2_grpc
+from services.coordinator.client import CoordinatorClient
+from services.coordinator.metadata import QueueRecord
+from services.queue.manager import QueueManager
+from services.queue.master import Delivery, PublishOutcome, QueueError
+from services.queue.master import Publish as Outgoing
+from services.queue.replica import QueueReplica
+
+MAX_BODY_BYTES = 16 * 1024 * 1024
+_Context = grpc.aio.ServicerContext[Any, Any]
+_Answer = TypeVar("_Answer")
+_OUTCOMES = {
+    PublishOutcome.ACCEPTED: queue_pb2.PUBLISH_OUTCOME_CONFIRMED,
+    PublishOutcome.DUPLICATE: queue_pb2.PUBLISH_OUTCOME_DUPLICATE,
+    PublishOutcome.REJECTED: queue_pb2.PUBLISH_OUTCOME_REJECTED,
+}
+_SETTLE = {
+    queue_pb2.SETTLE_KIND_ACK: "ack",
+    queue_pb2.SETTLE_KIND_REQUEUE: "requeue",
+    queue_pb2.SETTLE_KIND_REJECT: "reject",
+}
+
+
+def _vhost(ref: queue_pb2.QueueRef) -> str:
+    return ref.vhost or "/"
+
+
+def _delivery(delivery: Delivery) -> queue_pb2.QueueDelivery:
+    message = delivery.message
+    return queue_pb2.QueueDelivery(
+        consumer_tag=delivery.consumer,
+        delivery_tag=delivery.delivery_tag,
+        body=message.body,
+        redelivered=delivery.redelivered,
+        delivery_count=message.delivery_count,
+        headers=message.headers,
+        publisher=message.publisher,
+        seq=message.publisher_seq,
+        message_id=message.id,
+    )
+
+
+class QueueServicer(queue_pb2_grpc.QueueServiceServicer):
+    """QueueService over this node's QueueManager."""
+
+    def __init__(
+        self,
+        node_id: str,
+        manager: QueueManager,
+        coordinator: CoordinatorClient,
+        address_of: Callable[[str], Awaitable[str | None]],
+        channel_to: Callable[[str], grpc.aio.Channel],
+    ) -> None:
+        self.node_id = node_id
+        self.manager = manager
+        self.coordinator = coordinator
+        self.address_of = address_of
+        self.channel_to = channel_to
+        manager.forward_publish = self._forward_dead_letters
+
+    # -------------------------------------------------------------- routing
+
+    async def _record(self, ref: queue_pb2.QueueRef, context: _Context) -> QueueRecord:
+        if not ref.queue:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "queue must not be empty")
+        try:
+            return await self.coordinator.get_queue(_vhost(ref), ref.queue)
+        except grpc.aio.AioRpcError as error:
+            await context.abort(error.code(), error.details() or "")
+        raise AssertionError("unreachable")
+
+    async def _route(self, ref: queue_pb2.QueueRef, context: _Context) -> tuple[QueueReplica | None, Any, QueueRecord]:
+        """The local master replica, or a stub to the master's node."""
+        record = await self._record(ref, context)
+        if record.master == self.node_id:
+            replica = self.manager.local(record.vhost, record.name) or await self.manager.ensure(record)
+            if replica is None or not replica.is_master:
+                await context.abort(
+                    grpc.StatusCode.UNAVAILABLE, f"queue {record.name!r}: its master is starting; retry"
+                )
+            return replica, None, record
+        address = await self.address_of(record.master)
+        if not record.master or address is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"queue {record.name!r} has no master now; retry")
+        assert address is not None
+        return None, queue_pb2_grpc.QueueServiceStub(self.channel_to(address)), record
+
+    async def _relay(self, context: _Context, call: Awaitable[Any], answer: type[_Answer]) -> _Answer:
+        """Relay a call to the master's node; its failure becomes ours."""
+        try:
+            response = await call
+        except grpc.aio.AioRpcError as error:
+            await context.abort(error.code(), error.details() or "")
+        if not isinstance(response, answer):
+            raise TypeError(f"expected {answer.__name__}, got {type(response).__name__}")
+        return response
+
+    async def _delete(self, context: _Context, record: QueueRecord) -> None:
+        try:
+            await self.coordinator.delete_queue(record.vhost, record.name)
+        except grpc.aio.AioRpcError as error:
+            await context.abort(error.code(), error.details() or "")
+
+    async def _queue_error(self, context: _Context, error: QueueError) -> None:
+        await context.abort(getattr(grpc.StatusCode, error.code, grpc.StatusCode.UNKNOWN), str(error))
+
+    def _info(self, replica: QueueReplica, record: QueueRecord, address: str) -> queue_pb2.QueueInfo:
+        master = replica.master
+        contents = master.contents if master is not None else None
+        return queue_pb2.QueueInfo(
+            queue=queue_pb2.QueueRef(vhost=record.vhost, queue=record.name),
+            master_node=record.master,
+            master_address=address,
+            mirrors=record.mirrors,
+            synchronised_mirrors=record.synchronised_mirrors,
+            depth=contents.depth if contents else 0,
+            ready=len(contents) if contents else 0,
+            unacked=len(contents.unacked) if contents else 0,
+            consumers=len(master.consumer_tags) if master else 0,
+            policy=record.policy,
+            syncing=master.syncing if master else [],
+            status=replica.status,
+        )
+
+    # -------------------------------------------------------------- wiring
+
+    async def DeclareQueue(self, request: queue_pb2.QueueDeclareRequest, context: _Context) -> queue_pb2.QueueInfo:
+        ref = request.queue
+        if not ref.queue:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "queue must not be empty")
+        for key, value in request.arguments.items():
+            try:
+                json.loads(value)
+            except ValueError:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"arguments[{key!r}] must be JSON, got {value!r}")
+        declared = QueueRecord(
+            _vhost(ref),
+            ref.queue,
+            durable=request.durable,
+            auto_delete=request.auto_delete,
+            exclusive_owner=request.exclusive_owner,
+            arguments=dict(request.arguments),
+        )
+        try:
+            record = await self.coordinator.declare_queue(declared, preferred_master=self.node_id)
+        except grpc.aio.AioRpcError as error:
+            await context.abort(error.code(), error.details() or "")
+        replica, stub, record = await self._route(ref, context)
+        if stub is not None:
+            return await self._relay(context, stub.QueueStatus(ref), queue_pb2.QueueInfo)
+        assert replica is not None
+        return self._info(replica, record, await self.address_of(self.node_id) or "")
+
+    async def QueueStatus(self, request: queue_pb2.QueueRef, context: _Context) -> queue_pb2.QueueInfo:
+        replica, stub, record = await self._route(request, context)
+        if stub is not None:
+            return await self._relay(context, stub.QueueStatus(request), queue_pb2.QueueInfo)
+        assert replica is not None
+        return self._info(replica, record, await self.address_of(self.node_id) or "")
+
+    async def DeleteQueue(
+        self, request: queue_pb2.QueueDeleteRequest, context: _Context
+    ) -> queue_pb2.QueueDeleteResponse:
+        replica, stub, record = await self._route(request.queue, context)
+        if stub is not None:
+            return await self._relay(context, stub.DeleteQueue(request), queue_pb2.QueueDeleteResponse)
+        assert replica is not None and replica.master is not None
+        master = replica.master
+        if request.if_unused and master.consumer_tags:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"queue {record.name!r} has consumers")
+        if request.if_empty and master.contents.depth:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"queue {record.name!r} is not empty")
+        depth = master.contents.depth
+        await self._delete(context, record)
+        return queue_pb2.QueueDeleteResponse(messages_deleted=depth)
+
+    async def PurgeQueue(self, request: queue_pb2.QueueRef, context: _Context) -> queue_pb2.PurgeQueueResponse:
+        replica, stub, _ = await self._route(request, context)
+        if stub is not None:
+            return await self._relay(context, stub.PurgeQueue(request), queue_pb2.PurgeQueueResponse)
+        assert replica is not None
+        return queue_pb2.PurgeQueueResponse(messages_purged=await replica.purge())
+
+    async def SyncQueue(self, request: queue_pb2.QueueRef, context: _Context) -> queue_pb2.QueueInfo:
+        return await self._sync(request, context, start=True)
+
+    async def CancelSyncQueue(self, request: queue_pb2.QueueRef, context: _Context) -> queue_pb2.QueueInfo:
+        return await self._sync(request, context, start=False)
+
+    async def _sync(self, request: queue_pb2.QueueRef, context: _Context, start: bool) -> queue_pb2.QueueInfo:
+        replica, stub, record = await self._route(request, context)
+        if stub is not None:
+            call = stub.SyncQueue(request) if start else stub.CancelSyncQueue(request)
+            return await self._relay(context, call, queue_pb2.QueueInfo)
+        assert replica is not None
+        if start:
+            replica.sync_unsynchronised()
+        else:
+            replica.cancel_syncs()
+        return self._info(replica, record, await self.address_of(self.node_id) or "")
+
+    # ----------------------------------------------------------- messaging
+
+    async def Publish(
+        self, request_iterator: AsyncIterator[queue_pb2.PublishRequest], context: _Context
+    ) -> AsyncIterator[queue_pb2.PublishResponse]:
+        pending: asyncio.Queue[asyncio.Future[queue_pb2.PublishResponse] | None] = asyncio.Queue()
+        routes: dict[tuple[str, str], tuple[QueueReplica | None, Any]] = {}
+        forwarded: dict[str, Any] = {}
+
+        async def publish(request: queue_pb2.PublishRequest) -> queue_pb2.PublishResponse:
+            key = (_vhost(request.queue), request.queue.queue)
+            if key not in routes:
+                replica, stub, _ = await self._route(request.queue, context)
+                routes[key] = (replica, stub)
+            replica, stub = routes[key]
+            if stub is not None:
+                return await self._forward_publish(stub, request, forwarded, context)
+            assert replica is not None
+            items = [
+                Outgoing(
+                    m.body,
+                    request.publisher,
+                    m.seq,
+                    m.persistent,
+                    dict(m.headers),
+                    m.priority,
+                    m.expiration_ms or None,
+                )
+                for m in request.messages
+            ]
+            outcomes = await replica.publish(items)
+            return queue_pb2.PublishResponse(
+                seqs=[m.seq for m in request.messages], outcomes=[_OUTCOMES[o] for o in outcomes]
+            )
+
+        async def read() -> None:
+            try:
+                async for request in request_iterator:
+                    problem = _publish_problem(request)
+                    if problem:
+                        failed: asyncio.Future[queue_pb2.PublishResponse] = asyncio.get_running_loop().create_future()
+                        failed.set_exception(ValueError(problem))
+                        pending.put_nowait(failed)
+                        break
+                    pending.put_nowait(asyncio.ensure_future(publish(request)))
+            finally:
+                pending.put_nowait(None)
+
+        reader = asyncio.ensure_future(read())
+        try:
+            while (item := await pending.get()) is not None:
+                try:
+                    yield await item
+                except ValueError as error:
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
+                except QueueError as error:
+                    await self._queue_error(context, error)
+                except ConnectionAbortedError as error:
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, f"the queue's master went away: {error}; retry")
+        finally:
+            reader.cancel()
+            for call in forwarded.values():
+                call.cancel()
+
+    async def _forward_publish(
+        self, stub: Any, request: queue_pb2.PublishRequest, calls: dict[str, Any], context: _Context
+    ) -> queue_pb2.PublishResponse:
+        call = calls.get("stream")
+        if call is None:
+            call = calls["stream"] = stub.Publish()
+            calls["lock"] = asyncio.Lock()
+        async with calls["lock"]:  # one request, one response: keep them paired
+            try:
+                await call.write(request)
+                response = await call.read()
+            except grpc.aio.AioRpcError as error:
+                await context.abort(error.code(), error.details() or "")
+        if response is grpc.aio.EOF:  # type: ignore[attr-defined]
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the queue's master closed the stream; retry")
+        return response  # type: ignore[no-any-return]
+
+    async def _forward_dead_letters(self, record: QueueRecord, items: list[Outgoing]) -> None:
+        address = await self.address_of(record.master)
+        if address is None:
+            raise ConnectionError(f"no address for {record.master}")
+        stub: Any = queue_pb2_grpc.QueueServiceStub(self.channel_to(address))
+        request = queue_pb2.PublishRequest(
+            queue=queue_pb2.QueueRef(vhost=record.vhost, queue=record.name),
+            messages=[queue_pb2.OutgoingMessage(body=i.body, headers=i.headers) for i in items],
+        )
+        call: Any = stub.Publish()
+        await call.write(request)
+        await call.read()
+        await call.done_writing()
+
+    async def Consume(
+        self, request: queue_pb2.ConsumeRequest, context: _Context
+    ) -> AsyncIterator[queue_pb2.QueueDelivery]:
+        replica, stub, record = await self._route(request.queue, context)
+        if stub is not None:
+            try:
+                async for delivery in stub.Consume(request):
+                    yield delivery
+            except grpc.aio.AioRpcError as error:
+                await context.abort(error.code(), error.details() or "")
+            return
+        assert replica is not None
+        tag = request.consumer_tag or f"{self.node_id}.{uuid.uuid4().hex[:12]}"
+        try:
+            consumer = await replica.consume(tag, request.prefetch, request.priority)
+        except QueueError as error:
+            await self._queue_error(context, error)
+        try:
+            while (delivery := await consumer.deliveries.get()) is not None:
+                yield _delivery(delivery)
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"queue {record.name!r}: its master moved; resume")
+        finally:
+            with contextlib.suppress(Exception):
+                await replica.cancel(tag)
+
+    async def Settle(self, request: queue_pb2.SettleRequest, context: _Context) -> queue_pb2.SettleResponse:
+        kind = _SETTLE.get(request.kind)
+        if kind is None:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "kind must be ACK, REQUEUE or REJECT")
+        replica, stub, _ = await self._route(request.queue, context)
+        if stub is not None:
+            return await self._relay(context, stub.Settle(request), queue_pb2.SettleResponse)
+        assert replica is not None and kind is not None
+        try:
+            await replica.settle(request.consumer_tag, request.delivery_tag, request.multiple, kind)
+        except QueueError as error:
+            await self._queue_error(context, error)
+        return queue_pb2.SettleResponse()
+
+    async def Get(self, request: queue_pb2.GetRequest, context: _Context) -> queue_pb2.GetResponse:
+        replica, stub, _ = await self._route(request.queue, context)
+        if stub is not None:
+            return await self._relay(context, stub.Get(request), queue_pb2.GetResponse)
+        assert replica is not None
+        delivery = await replica.get(request.no_ack)
+        if delivery is None:
+            return queue_pb2.GetResponse(found=False)
+        return queue_pb2.GetResponse(found=True, delivery=_delivery(delivery))
+
+
+def _publish_problem(request: queue_pb2.PublishRequest) -> str | None:
+    if not request.queue.queue:
+        return "queue must not be empty"
+    if not request.messages:
+        return "messages must not be empty"
+    for index, message in enumerate(request.messages):
+        if len(message.body) > MAX_BODY_BYTES:
+            return f"messages[{index}].body has {len(message.body)} bytes; at most {MAX_BODY_BYTES} are allowed"
+    return None

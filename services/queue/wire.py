@@ -1,0 +1,120 @@
+"""Conversion between queue reports (ops.py) and their protobuf form (queue_replication.proto).
+
+Responsible for: the only place that knows both shapes of a report. Reports
+travel as serialized QueueReport bytes in GM broadcasts. Guarantees: a report
+survives encode/decode unchanged; decoding malformed bytes raises ValueError.
+"""
+
+from __future__ import annotations
+
+from google.protobuf.message import DecodeError
+
+from ringq.v1 import queue_replication_pb2 as pb
+from services.queue.ops import (
+    Deliver,
+    Depth,
+    Discard,
+    Enqueue,
+    Message,
+    MirrorSays,
+    Report,
+    Requeue,
+    Settle,
+    SyncBatch,
+    SyncDone,
+    Synchronised,
+    SyncRequest,
+)
+
+AnyReport = Report | MirrorSays
+
+
+def message_to_proto(message: Message) -> pb.ReplicatedMessage:
+    return pb.ReplicatedMessage(
+        id=message.id,
+        body=message.body,
+        publisher=message.publisher,
+        publisher_seq=message.publisher_seq,
+        persistent=message.persistent,
+        headers=message.headers,
+        priority=message.priority,
+        enqueued_at_ms=message.enqueued_at_ms,
+        expires_at_ms=message.expires_at_ms,
+        delivery_count=message.delivery_count,
+    )
+
+
+def message_from_proto(m: pb.ReplicatedMessage) -> Message:
+    return Message(
+        id=m.id,
+        body=m.body,
+        publisher=m.publisher,
+        publisher_seq=m.publisher_seq,
+        persistent=m.persistent,
+        headers=dict(m.headers),
+        priority=m.priority,
+        enqueued_at_ms=m.enqueued_at_ms,
+        expires_at_ms=m.expires_at_ms,
+        delivery_count=m.delivery_count,
+    )
+
+
+def encode(report: AnyReport) -> bytes:
+    out = pb.QueueReport()
+    if isinstance(report, Enqueue):
+        out.enqueue.CopyFrom(message_to_proto(report.message))
+    elif isinstance(report, Deliver):
+        out.deliver.ids.extend(report.ids)
+    elif isinstance(report, Settle):
+        out.settle.ids.extend(report.ids)
+    elif isinstance(report, Requeue):
+        out.requeue.ids.extend(report.ids)
+    elif isinstance(report, Discard):
+        out.discard.ids.extend(report.ids)
+        out.discard.reason = report.reason
+    elif isinstance(report, Depth):
+        out.depth = report.depth
+    elif isinstance(report, SyncBatch):
+        out.sync_batch.target = report.target
+        out.sync_batch.ready.extend(message_to_proto(m) for m in report.ready)
+        out.sync_batch.unacked.extend(message_to_proto(m) for m in report.unacked)
+    elif isinstance(report, SyncDone):
+        out.sync_done = report.target
+    elif isinstance(report, SyncRequest):
+        out.sync_request.member = report.member
+        out.sync_request.below_id = report.below_id
+    else:
+        out.synchronised = report.member
+    return out.SerializeToString()
+
+
+def decode(data: bytes) -> AnyReport:
+    report = pb.QueueReport()
+    try:
+        report.ParseFromString(data)
+    except DecodeError as error:
+        raise ValueError(f"not a queue report: {error}") from None
+    kind = report.WhichOneof("kind")
+    if kind == "enqueue":
+        return Enqueue(message_from_proto(report.enqueue))
+    if kind == "deliver":
+        return Deliver(tuple(report.deliver.ids))
+    if kind == "settle":
+        return Settle(tuple(report.settle.ids))
+    if kind == "requeue":
+        return Requeue(tuple(report.requeue.ids))
+    if kind == "discard":
+        return Discard(tuple(report.discard.ids), report.discard.reason)
+    if kind == "depth":
+        return Depth(report.depth)
+    if kind == "sync_batch":
+        batch = report.sync_batch
+        ready = tuple(message_from_proto(m) for m in batch.ready)
+        return SyncBatch(batch.target, ready, tuple(message_from_proto(m) for m in batch.unacked))
+    if kind == "sync_done":
+        return SyncDone(report.sync_done)
+    if kind == "sync_request":
+        return SyncRequest(report.sync_request.member, report.sync_request.below_id)
+    if kind == "synchronised":
+        return Synchronised(report.synchronised)
+    raise ValueError("queue report without a kind")
