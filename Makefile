@@ -11,7 +11,7 @@ GEN := clients/python/ringq/v1
 PROTOS := $(wildcard protos/ringq/v1/*.proto)
 SEEDS ?= 20000
 
-.PHONY: all setup setup-zookeeper protos lint test sim demo bench-gm clean
+.PHONY: all setup setup-zookeeper setup-rabbitmq protos lint test sim demo bench-gm bench-reference clean
 
 all: test
 
@@ -39,6 +39,17 @@ setup-zookeeper:
 	  echo "installing Debian's zookeeper package"; \
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq zookeeper >/dev/null; \
 	fi
+
+# The reference side of the benchmarks: Debian's RabbitMQ 3.x, started by bench/reference on
+# 127.0.0.1 (private ports and epmd) and stopped by it.
+setup-rabbitmq:
+	@if ! dpkg -s rabbitmq-server >/dev/null 2>&1; then \
+	  echo "installing Debian's rabbitmq-server package"; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq rabbitmq-server >/dev/null; \
+	fi
+
+bench-reference: setup setup-rabbitmq
+	mkdir -p var && $(PY) -m bench.reference --json var/bench-reference.json
 
 lint: setup
 	$(VENV)/bin/ruff check .

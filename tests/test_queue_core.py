@@ -281,3 +281,17 @@ def test_random_operations_keep_synchronised_mirrors_identical_to_the_master(see
     for mirror in q.mirrors:
         assert mirror.synchronised, (seed, mirror.member)
         assert same(q.master, mirror), (seed, mirror.member)
+
+
+def test_a_message_arriving_after_a_later_one_of_its_publisher_is_not_taken_for_a_duplicate() -> None:
+    """Found by the failover test: dedup by the highest seq seen dropped seqs 201-400
+    when 401-600 arrived first, so confirmed messages were never stored."""
+    q = Replicated()
+    q.feed(q.master.publish([Publish(b"later", "p", 3)], 0)[0])
+    step, outcomes = q.master.publish(
+        [Publish(b"first", "p", 1), Publish(b"second", "p", 2), Publish(b"again", "p", 3)], 0
+    )
+    q.feed(step)
+    assert outcomes == [PublishOutcome.ACCEPTED, PublishOutcome.ACCEPTED, PublishOutcome.DUPLICATE]
+    seen = q.mirrors[0].contents.publishers["p"]
+    assert (seen.through, seen.above) == (3, set()), "mirrors track the same seqs"

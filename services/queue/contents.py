@@ -11,8 +11,11 @@ Guarantees:
 - A report about a message this replica never had is ignored: a mirror that
   joined late starts empty and catches up as the old head is consumed (or by
   sync), never with a hole in the middle.
-- Publisher sequence numbers are remembered per publisher (the highest seen),
-  so whichever replica becomes master drops a retried publish as a duplicate.
+- Publisher sequence numbers are remembered per publisher (every one seen:
+  all up to a contiguous watermark, and the few above it), so whichever
+  replica becomes master drops a retried publish as a duplicate, and never
+  mistakes for a duplicate a message it has not seen because a later one
+  arrived first.
 """
 
 from __future__ import annotations
@@ -34,6 +37,27 @@ from services.queue.ops import (
 )
 
 
+class PublisherSeqs:
+    """The sequence numbers seen from one publisher: all up to `through`, and `above` it."""
+
+    __slots__ = ("above", "through")
+
+    def __init__(self) -> None:
+        self.through = 0
+        self.above: set[int] = set()
+
+    def has(self, seq: int) -> bool:
+        return seq <= self.through or seq in self.above
+
+    def add(self, seq: int) -> None:
+        if seq <= self.through:
+            return
+        self.above.add(seq)
+        while self.through + 1 in self.above:
+            self.through += 1
+            self.above.discard(self.through)
+
+
 class QueueContents:
     """Messages ready for delivery and pending acknowledgement, by id."""
 
@@ -42,7 +66,7 @@ class QueueContents:
         self._ready_heap: list[int] = []
         self._ready: set[int] = set()
         self.unacked: set[int] = set()
-        self.publishers: dict[str, int] = {}
+        self.publishers: dict[str, PublisherSeqs] = {}
         self.max_id = 0
         # The id of the first message this replica received by Enqueue: older
         # ones it can only have from a sync.
@@ -73,7 +97,8 @@ class QueueContents:
         return iter(sorted(self._ready))
 
     def is_duplicate(self, publisher: str, seq: int) -> bool:
-        return bool(publisher) and seq > 0 and seq <= self.publishers.get(publisher, 0)
+        seen = self.publishers.get(publisher)
+        return seen is not None and seq > 0 and seen.has(seq)
 
     # --------------------------------------------------------------- applying
 
@@ -114,9 +139,8 @@ class QueueContents:
         self.messages[message.id] = message
         self.bytes += message.size
         self.max_id = max(self.max_id, message.id)
-        publisher, seq = message.publisher, message.publisher_seq
-        if publisher and seq > self.publishers.get(publisher, 0):
-            self.publishers[publisher] = seq
+        if message.publisher and message.publisher_seq > 0:
+            self.publishers.setdefault(message.publisher, PublisherSeqs()).add(message.publisher_seq)
         if ready:
             self._make_ready(message.id)
         else:

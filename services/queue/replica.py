@@ -139,9 +139,19 @@ class QueueReplica:
         return self.master
 
     async def publish(self, items: list[Publish]) -> list[PublishOutcome]:
+        return await self.publish_in_order(items)
+
+    def publish_in_order(self, items: list[Publish]) -> asyncio.Future[list[PublishOutcome]]:
+        """Decide on `items` now, so batches are taken in the order this is called
+        (a publisher's seqs must not overtake each other); the future completes
+        once the replicas hold them."""
         step, outcomes = self._require_master().publish(items, now_ms())
-        await self._carry_out(step)
-        return outcomes
+
+        async def confirmed() -> list[PublishOutcome]:
+            await self._carry_out(step)
+            return outcomes
+
+        return asyncio.ensure_future(confirmed())
 
     async def consume(self, tag: str, prefetch: int, priority: int) -> Consumer:
         master = self._require_master()
@@ -294,6 +304,8 @@ class QueueReplica:
         if self.mirror is not None:
             for said in self.mirror.apply(report):
                 self._say(said)
+        elif self.master is None:
+            log.warning("queue %s: a %s came before this replica was ready", self.record.name, type(report).__name__)
 
     def _from_mirror(self, said: SyncRequest | Synchronised) -> None:
         master = self.master

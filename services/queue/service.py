@@ -87,30 +87,33 @@ class QueueServicer(queue_pb2_grpc.QueueServiceServicer):
 
     # -------------------------------------------------------------- routing
 
-    async def _record(self, ref: queue_pb2.QueueRef, context: _Context) -> QueueRecord:
+    async def _record(self, ref: queue_pb2.QueueRef) -> QueueRecord:
         if not ref.queue:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "queue must not be empty")
+            raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "queue must not be empty")
         try:
             return await self.coordinator.get_queue(_vhost(ref), ref.queue)
         except grpc.aio.AioRpcError as error:
-            await context.abort(error.code(), error.details() or "")
-        raise AssertionError("unreachable")
+            raise Refused(error.code(), error.details() or "") from None
 
-    async def _route(self, ref: queue_pb2.QueueRef, context: _Context) -> tuple[QueueReplica | None, Any, QueueRecord]:
-        """The local master replica, or a stub to the master's node."""
-        record = await self._record(ref, context)
+    async def _find(self, ref: queue_pb2.QueueRef) -> tuple[QueueReplica | None, Any, QueueRecord]:
+        """The local master replica, or a stub to the master's node; Refused if neither."""
+        record = await self._record(ref)
         if record.master == self.node_id:
             replica = self.manager.local(record.vhost, record.name) or await self.manager.ensure(record)
             if replica is None or not replica.is_master:
-                await context.abort(
-                    grpc.StatusCode.UNAVAILABLE, f"queue {record.name!r}: its master is starting; retry"
-                )
+                raise Refused(grpc.StatusCode.UNAVAILABLE, f"queue {record.name!r}: its master is starting; retry")
             return replica, None, record
-        address = await self.address_of(record.master)
-        if not record.master or address is None:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"queue {record.name!r} has no master now; retry")
-        assert address is not None
+        address = await self.address_of(record.master) if record.master else None
+        if address is None:
+            raise Refused(grpc.StatusCode.UNAVAILABLE, f"queue {record.name!r} has no master now; retry")
         return None, queue_pb2_grpc.QueueServiceStub(self.channel_to(address)), record
+
+    async def _route(self, ref: queue_pb2.QueueRef, context: _Context) -> tuple[QueueReplica | None, Any, QueueRecord]:
+        try:
+            return await self._find(ref)
+        except Refused as refused:
+            await context.abort(refused.code, refused.details)
+        raise AssertionError("unreachable")
 
     async def _relay(self, context: _Context, call: Awaitable[Any], answer: type[_Answer]) -> _Answer:
         """Relay a call to the master's node; its failure becomes ours."""
@@ -233,44 +236,59 @@ class QueueServicer(queue_pb2_grpc.QueueServiceServicer):
     ) -> AsyncIterator[queue_pb2.PublishResponse]:
         pending: asyncio.Queue[asyncio.Future[queue_pb2.PublishResponse] | None] = asyncio.Queue()
         routes: dict[tuple[str, str], tuple[QueueReplica | None, Any]] = {}
-        forwarded: dict[str, Any] = {}
+        forwarded = _ForwardedStream()
 
-        async def publish(request: queue_pb2.PublishRequest) -> queue_pb2.PublishResponse:
-            key = (_vhost(request.queue), request.queue.queue)
-            if key not in routes:
-                replica, stub, _ = await self._route(request.queue, context)
-                routes[key] = (replica, stub)
-            replica, stub = routes[key]
-            if stub is not None:
-                return await self._forward_publish(stub, request, forwarded, context)
-            assert replica is not None
-            items = [
-                Outgoing(
-                    m.body,
-                    request.publisher,
-                    m.seq,
-                    m.persistent,
-                    dict(m.headers),
-                    m.priority,
-                    m.expiration_ms or None,
-                )
-                for m in request.messages
-            ]
-            outcomes = await replica.publish(items)
+        async def answer(request: queue_pb2.PublishRequest, confirmed: Awaitable[list[PublishOutcome]]) -> Any:
+            outcomes = await confirmed
             return queue_pb2.PublishResponse(
                 seqs=[m.seq for m in request.messages], outcomes=[_OUTCOMES[o] for o in outcomes]
             )
 
+        def failed(error: Exception) -> asyncio.Future[queue_pb2.PublishResponse]:
+            future: asyncio.Future[queue_pb2.PublishResponse] = asyncio.get_running_loop().create_future()
+            future.set_exception(error)
+            return future
+
         async def read() -> None:
+            # Batches are routed and decided here, one after another, in the order
+            # they came: a publisher's messages must reach the master in seq order.
             try:
                 async for request in request_iterator:
                     problem = _publish_problem(request)
                     if problem:
-                        failed: asyncio.Future[queue_pb2.PublishResponse] = asyncio.get_running_loop().create_future()
-                        failed.set_exception(ValueError(problem))
-                        pending.put_nowait(failed)
+                        pending.put_nowait(failed(ValueError(problem)))
                         break
-                    pending.put_nowait(asyncio.ensure_future(publish(request)))
+                    key = (_vhost(request.queue), request.queue.queue)
+                    if key not in routes:
+                        try:
+                            replica, stub, _ = await self._find(request.queue)
+                        except Refused as refused:
+                            pending.put_nowait(failed(refused))
+                            break
+                        routes[key] = (replica, stub)
+                    replica, stub = routes[key]
+                    if stub is not None:
+                        pending.put_nowait(asyncio.ensure_future(self._forward_publish(stub, request, forwarded)))
+                        continue
+                    assert replica is not None
+                    items = [
+                        Outgoing(
+                            m.body,
+                            request.publisher,
+                            m.seq,
+                            m.persistent,
+                            dict(m.headers),
+                            m.priority,
+                            m.expiration_ms or None,
+                        )
+                        for m in request.messages
+                    ]
+                    try:
+                        confirmed = replica.publish_in_order(items)
+                    except QueueError as error:
+                        pending.put_nowait(failed(error))
+                        break
+                    pending.put_nowait(asyncio.ensure_future(answer(request, confirmed)))
             finally:
                 pending.put_nowait(None)
 
@@ -279,6 +297,8 @@ class QueueServicer(queue_pb2_grpc.QueueServiceServicer):
             while (item := await pending.get()) is not None:
                 try:
                     yield await item
+                except Refused as refused:
+                    await context.abort(refused.code, refused.details)
                 except ValueError as error:
                     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
                 except QueueError as error:
@@ -287,24 +307,30 @@ class QueueServicer(queue_pb2_grpc.QueueServiceServicer):
                     await context.abort(grpc.StatusCode.UNAVAILABLE, f"the queue's master went away: {error}; retry")
         finally:
             reader.cancel()
-            for call in forwarded.values():
-                call.cancel()
+            while not pending.empty():
+                leftover = pending.get_nowait()
+                if leftover is not None:
+                    leftover.cancel()
+            if forwarded.call is not None:
+                forwarded.call.cancel()
 
     async def _forward_publish(
-        self, stub: Any, request: queue_pb2.PublishRequest, calls: dict[str, Any], context: _Context
+        self, stub: Any, request: queue_pb2.PublishRequest, forwarded: _ForwardedStream
     ) -> queue_pb2.PublishResponse:
-        call = calls.get("stream")
-        if call is None:
-            call = calls["stream"] = stub.Publish()
-            calls["lock"] = asyncio.Lock()
-        async with calls["lock"]:  # one request, one response: keep them paired
+        if forwarded.call is None:
+            forwarded.call = stub.Publish()
+        call = forwarded.call
+        async with forwarded.lock:  # one request, one response: keep them paired
             try:
                 await call.write(request)
                 response = await call.read()
-            except grpc.aio.AioRpcError as error:
-                await context.abort(error.code(), error.details() or "")
+            except (grpc.aio.AioRpcError, asyncio.InvalidStateError) as error:
+                code = error.code() if isinstance(error, grpc.aio.AioRpcError) else grpc.StatusCode.UNAVAILABLE
+                if code not in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND):
+                    code = grpc.StatusCode.UNAVAILABLE  # the master's node failed us: retry elsewhere
+                raise Refused(code, f"forwarding to the queue's master failed: {error!r}") from None
         if response is grpc.aio.EOF:  # type: ignore[attr-defined]
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "the queue's master closed the stream; retry")
+            raise Refused(grpc.StatusCode.UNAVAILABLE, "the queue's master closed the stream; retry")
         return response  # type: ignore[no-any-return]
 
     async def _forward_dead_letters(self, record: QueueRecord, items: list[Outgoing]) -> None:
@@ -369,6 +395,23 @@ class QueueServicer(queue_pb2_grpc.QueueServiceServicer):
         if delivery is None:
             return queue_pb2.GetResponse(found=False)
         return queue_pb2.GetResponse(found=True, delivery=_delivery(delivery))
+
+
+class Refused(Exception):
+    """A request to answer with `code` and `details` (raised where there is no context)."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(details)
+        self.code = code
+        self.details = details
+
+
+class _ForwardedStream:
+    """The stream a publish stream is relayed on to the master's node."""
+
+    def __init__(self) -> None:
+        self.call: Any = None
+        self.lock = asyncio.Lock()
 
 
 def _publish_problem(request: queue_pb2.PublishRequest) -> str | None:

@@ -1,0 +1,973 @@
+"""The reference workloads (ARCHITECTURE section 10) against a RabbitMQ cluster of classic mirrored queues.
+
+Method, the same for every workload:
+- Client: pika 1.x with its asynchronous SelectConnection (one connection and
+  one channel per client). It was the fastest Python client measured here for
+  pipelined publisher confirms (one comparison run on this cluster, W1: pika SelectConnection
+  4-8k confirmed msgs/s, aiormq about 3.6k, aio-pika about 1.2k); pika's
+  BlockingConnection cannot keep more than one confirm in flight.
+- Producer and consumer run in two separate processes (multiprocessing
+  "spawn"), so the two clients do not share one Python interpreter; the parent
+  process only orchestrates (and, in W3, kills a node). A script calling these
+  functions needs the `if __name__ == "__main__":` guard that spawn requires.
+- Bodies: 256 bytes: an 8-byte sequence number, an 8-byte send timestamp
+  (CLOCK_MONOTONIC nanoseconds, which is system-wide on Linux, so the consumer's
+  clock is the producer's), then padding. Messages are transient
+  (delivery_mode 1, "persistent=false"); the queue is durable, classic, and
+  mirrored on every node by the cluster's policy (ha-mode all, ha-sync-mode
+  automatic); it is declared through node 1, so its master is on node 1.
+- Publisher confirms with at most 1000 unconfirmed messages in flight; a
+  publish is counted when its confirm (basic.ack) arrives.
+- Consumer: prefetch 1000, manual acknowledgements, one basic.ack per message.
+  A message's latency is from its send timestamp to its arrival in the
+  consumer's callback. With a fixed rate, the timestamp is the message's
+  scheduled send time, so a stalled producer cannot hide latency (no
+  coordinated omission).
+- Rates count confirms (W1) or deliveries (W2) whose arrival falls inside the
+  measured window, which begins after the warm-up.
+
+Workloads:
+- W1: one producer, no consumer: confirmed msgs/s.
+- W2: producer and consumer at once, producer unthrottled (bounded only by the
+  1000 confirms in flight): delivered msgs/s and latency p50/p99. The producer
+  may outrun the consumer, in which case the queue grows and so does latency.
+- W2@rate: W2 with the producer paced at a fixed rate (2,000 msgs/s): latency.
+- W3: W2 at the fixed rate with both clients connected to the master's node;
+  after a warm-up the master's node is SIGKILLed. Each client reconnects to
+  the next node (retrying) and continues: the producer republishes what was
+  unconfirmed when its connection died (an at-least-once producer), the
+  consumer re-subscribes. Reported: the longest gap between consecutive
+  deliveries from 1 s before the kill on (seconds without service), messages
+  lost (confirmed, never delivered) and duplicates (deliveries of a sequence
+  number already delivered).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import json
+import math
+import multiprocessing
+import multiprocessing.synchronize
+import queue as queue_module
+import resource
+import struct
+import time
+from array import array
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from multiprocessing.context import SpawnProcess
+from typing import Any
+
+import pika  # type: ignore[import-untyped]
+
+from bench.reference.rabbitmq_cluster import HA_POLICY, HA_POLICY_NAME, HOST, RabbitCluster, RabbitClusterError
+
+PAYLOAD_SIZE = 256
+HEADER = struct.Struct("!QQ")  # sequence number, send time (CLOCK_MONOTONIC ns)
+PADDING = b"\x00" * (PAYLOAD_SIZE - HEADER.size)
+MAX_IN_FLIGHT = 1000
+PREFETCH = 1000
+FIXED_RATE = 2000.0
+PACE_TICK_S = 0.001
+NS = 1_000_000_000
+
+
+@dataclass
+class WorkloadResult:
+    """One workload's measurements; None where a figure does not apply."""
+
+    name: str
+    rate: float | None = None  # msgs/s: confirmed (W1) or delivered (W2, W3)
+    p50_ms: float | None = None
+    p99_ms: float | None = None
+    gap_s: float | None = None  # W3: longest time without a delivery around the kill
+    lost: int | None = None  # W3: confirmed but never delivered
+    duplicates: int | None = None  # deliveries of an already delivered sequence number
+    notes: str = ""
+    details: dict[str, float | int | str] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class Durations:
+    warmup_s: float = 1.0
+    measure_s: float = 5.0
+    w3_warmup_s: float = 2.0  # W3: from the producer's start to the kill
+    w3_after_kill_s: float = 8.0  # W3: how long the producer goes on after the kill
+    drain_s: float = 30.0  # W3: longest wait for the consumer to catch up at the end
+
+    @classmethod
+    def quick(cls) -> Durations:
+        return cls(warmup_s=0.5, measure_s=1.5, w3_warmup_s=1.0, w3_after_kill_s=4.0, drain_s=15.0)
+
+
+def make_body(seq: int, sent_ns: int) -> bytes:
+    return HEADER.pack(seq, sent_ns) + PADDING
+
+
+def percentile(sorted_values: Sequence[float], q: float) -> float:
+    """The q-quantile (0..1) of already sorted values, nearest-rank."""
+    if not sorted_values:
+        raise ValueError("no values")
+    rank = max(0, min(len(sorted_values) - 1, math.ceil(q * len(sorted_values)) - 1))
+    return sorted_values[rank]
+
+
+def _cpu_seconds() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def _parameters(port: int) -> Any:
+    return pika.ConnectionParameters(
+        host=HOST,
+        port=port,
+        credentials=pika.PlainCredentials("guest", "guest"),
+        connection_attempts=1,
+        socket_timeout=2.0,
+        stack_timeout=5.0,
+        heartbeat=10,
+    )
+
+
+# --- producer (runs in its own process) ------------------------------------------------
+
+
+@dataclass
+class ProducerConfig:
+    ports: list[int]  # tried in order; on a failure the next one
+    queue: str
+    warmup_s: float
+    measure_s: float
+    rate: float | None = None  # msgs/s; None: as fast as the confirms allow
+    max_in_flight: int = MAX_IN_FLIGHT
+    record_confirmed: bool = False
+    republish_unconfirmed: bool = True
+    confirm_grace_s: float = 3.0  # after the run, how long to wait for outstanding confirms
+    give_up_s: float = 60.0  # reconnecting for longer than this ends the run
+
+
+@dataclass
+class ProducerReport:
+    started_ns: int = 0  # CLOCK_MONOTONIC when the first channel was ready to publish: the run's time zero
+    window_start_ns: int = 0
+    window_end_ns: int = 0
+    published: int = 0  # publishes, republishes included
+    sequence_numbers: int = 0  # distinct messages published (0 .. sequence_numbers - 1)
+    republished: int = 0
+    confirmed: int = 0
+    confirmed_in_window: int = 0
+    nacked: int = 0
+    reconnects: int = 0
+    longest_confirm_gap_s: float = 0.0  # after the warm-up
+    behind_schedule: int = 0  # paced: messages due but held back by the in-flight bound at the end
+    cpu_s: float = 0.0
+    wall_s: float = 0.0
+    confirmed_seqs: array[int] = field(default_factory=lambda: array("q"))
+    errors: list[str] = field(default_factory=list)
+
+
+class _Producer:
+    def __init__(self, cfg: ProducerConfig, started: Any) -> None:
+        self.cfg = cfg
+        self.started_shared = started  # multiprocessing Value('d'): seconds, set at time zero
+        self.report = ProducerReport()
+        self.channel: Any = None
+        self.connection: Any = None
+        self.next_seq = 0
+        self.pending: dict[int, tuple[int, int]] = {}  # delivery tag -> (seq, stamp) on the current channel
+        self.low_tag = 1
+        self.next_tag = 1
+        self.retry: deque[tuple[int, int]] = deque()  # (seq, stamp) to publish again after a reconnect
+        self.finishing = False
+        self.done = False
+        self.last_confirm_ns = 0
+        self.properties = pika.BasicProperties(delivery_mode=1)
+
+    # lifecycle
+
+    def run(self) -> ProducerReport:
+        wall0, cpu0 = time.monotonic(), _cpu_seconds()
+        index = 0
+        lost_since: float | None = None
+        while not self.done:
+            port = self.cfg.ports[index % len(self.cfg.ports)]
+            self.connection = pika.SelectConnection(
+                _parameters(port),
+                on_open_callback=self._on_open,
+                on_open_error_callback=self._on_open_error,
+                on_close_callback=self._on_closed,
+            )
+            self.connection.ioloop.start()
+            if self.done:
+                break
+            if self.channel is not None or lost_since is None:  # it had worked: a new outage starts now
+                lost_since = time.monotonic()
+            self.channel = None
+            self._requeue_pending()
+            if time.monotonic() - lost_since > self.cfg.give_up_s:
+                self.report.errors.append(f"gave up reconnecting after {self.cfg.give_up_s:.0f} s")
+                break
+            if self.finishing or (
+                self.report.started_ns
+                and time.monotonic_ns() > self.report.window_end_ns + int(self.cfg.give_up_s * NS)
+            ):
+                break
+            index += 1
+            self.report.reconnects += 1
+            time.sleep(0.05)
+        self.report.sequence_numbers = self.next_seq
+        self.report.cpu_s = _cpu_seconds() - cpu0
+        self.report.wall_s = time.monotonic() - wall0
+        return self.report
+
+    def _on_open(self, connection: Any) -> None:
+        connection.channel(on_open_callback=self._on_channel)
+
+    def _on_open_error(self, connection: Any, error: BaseException) -> None:
+        self.report.errors.append(f"connect: {error!r}"[:200])
+        connection.ioloop.stop()
+
+    def _on_closed(self, connection: Any, reason: BaseException) -> None:
+        if not self.done:
+            self.report.errors.append(f"connection lost: {reason!r}"[:200])
+        connection.ioloop.stop()
+
+    def _on_channel(self, channel: Any) -> None:
+        self.channel = channel
+        channel.add_on_close_callback(self._on_channel_closed)
+        channel.confirm_delivery(self._on_confirm, callback=self._on_confirm_mode)
+
+    def _on_channel_closed(self, channel: Any, reason: BaseException) -> None:
+        if not self.done:
+            self.report.errors.append(f"channel closed: {reason!r}"[:200])
+        if self.connection is not None and self.connection.is_open:
+            self.connection.close()
+
+    def _on_confirm_mode(self, _frame: Any) -> None:
+        self.pending.clear()
+        self.low_tag = self.next_tag = 1
+        if not self.report.started_ns:
+            now = time.monotonic_ns()
+            self.report.started_ns = now
+            self.report.window_start_ns = now + int(self.cfg.warmup_s * NS)
+            self.report.window_end_ns = self.report.window_start_ns + int(self.cfg.measure_s * NS)
+            self.started_shared.value = now / NS
+            self.last_confirm_ns = now
+        remaining = (self.report.window_end_ns - time.monotonic_ns()) / NS
+        self.connection.ioloop.call_later(max(0.0, remaining), self._finish)
+        if self.cfg.rate is not None:
+            self.connection.ioloop.call_later(0.0, self._pace)
+        else:
+            self._publish_more()
+
+    # publishing
+
+    def _publish(self, seq: int, stamp: int) -> None:
+        self.channel.basic_publish("", self.cfg.queue, make_body(seq, stamp), self.properties)
+        self.pending[self.next_tag] = (seq, stamp)
+        self.next_tag += 1
+        self.report.published += 1
+
+    def _publish_more(self) -> None:
+        channel = self.channel
+        if channel is None or not channel.is_open or self.finishing:
+            return
+        limit = self.cfg.max_in_flight
+        while self.retry and len(self.pending) < limit:
+            seq, stamp = self.retry.popleft()
+            self._publish(seq, stamp)
+            self.report.republished += 1
+        if self.cfg.rate is not None:
+            return
+        while len(self.pending) < limit:
+            self._publish(self.next_seq, time.monotonic_ns())
+            self.next_seq += 1
+
+    def _pace(self) -> None:
+        channel = self.channel
+        if channel is None or not channel.is_open or self.finishing:
+            return
+        assert self.cfg.rate is not None
+        self._publish_more()  # republishes first
+        now = time.monotonic_ns()
+        due = int((now - self.report.started_ns) / NS * self.cfg.rate) + 1
+        interval_ns = NS / self.cfg.rate
+        while self.next_seq < due and len(self.pending) < self.cfg.max_in_flight:
+            stamp = self.report.started_ns + int(self.next_seq * interval_ns)  # the scheduled send time
+            self._publish(self.next_seq, stamp)
+            self.next_seq += 1
+        self.report.behind_schedule = max(0, due - self.next_seq)
+        self.connection.ioloop.call_later(PACE_TICK_S, self._pace)
+
+    def _on_confirm(self, frame: Any) -> None:
+        method = frame.method
+        tag: int = method.delivery_tag
+        acked = isinstance(method, pika.spec.Basic.Ack)
+        if method.multiple:
+            tags: Sequence[int] = range(self.low_tag, tag + 1)
+            self.low_tag = max(self.low_tag, tag + 1)
+        else:
+            tags = (tag,)
+            if tag == self.low_tag:
+                self.low_tag += 1
+        now = time.monotonic_ns()
+        count = 0
+        for t in tags:
+            entry = self.pending.pop(t, None)
+            if entry is None:
+                continue
+            count += 1
+            if acked and self.cfg.record_confirmed:
+                self.report.confirmed_seqs.append(entry[0])
+        if acked:
+            self.report.confirmed += count
+            if self.report.window_start_ns <= now < self.report.window_end_ns:
+                self.report.confirmed_in_window += count
+            if now > self.report.window_start_ns:
+                gap = (now - max(self.last_confirm_ns, self.report.window_start_ns)) / NS
+                self.report.longest_confirm_gap_s = max(self.report.longest_confirm_gap_s, gap)
+            self.last_confirm_ns = now
+        else:
+            self.report.nacked += count
+        if self.finishing:
+            if not self.pending:
+                self._close()
+        elif self.cfg.rate is None:
+            self._publish_more()
+
+    def _requeue_pending(self) -> None:
+        """The connection died: what it had unconfirmed is published again on the next one (at least once)."""
+        if self.cfg.republish_unconfirmed and not self.finishing:
+            self.retry.extend(self.pending[t] for t in sorted(self.pending))
+        self.pending.clear()
+
+    def _finish(self) -> None:
+        if self.finishing:
+            return
+        self.finishing = True
+        if not self.pending:
+            self._close()
+        else:
+            self.connection.ioloop.call_later(self.cfg.confirm_grace_s, self._close)
+
+    def _close(self) -> None:
+        if self.done:
+            return
+        self.done = True
+        if self.connection.is_open:
+            self.connection.close()
+        else:
+            self.connection.ioloop.stop()
+
+
+def _producer_main(cfg: ProducerConfig, started: Any, results: multiprocessing.Queue[Any]) -> None:
+    try:
+        report = _Producer(cfg, started).run()
+    except BaseException as exc:
+        report = ProducerReport(errors=[f"producer crashed: {exc!r}"])
+    results.put(("producer", report))
+
+
+# --- consumer (runs in its own process) ---------------------------------------------------
+
+
+@dataclass
+class ConsumerConfig:
+    ports: list[int]
+    queue: str
+    prefetch: int = PREFETCH
+    drain: bool = False  # after stop: keep consuming until idle_s without a delivery (at most drain_s)
+    idle_s: float = 1.5
+    drain_s: float = 30.0
+    give_up_s: float = 60.0
+
+
+@dataclass
+class ConsumerReport:
+    received_ns: array[int] = field(default_factory=lambda: array("q"))
+    sent_ns: array[int] = field(default_factory=lambda: array("q"))
+    seqs: array[int] = field(default_factory=lambda: array("q"))
+    redelivered_flags: array[int] = field(default_factory=lambda: array("b"))  # per delivery: 1 if redelivered
+    redelivered: int = 0
+    reconnects: int = 0
+    cancels: int = 0
+    cpu_s: float = 0.0
+    wall_s: float = 0.0
+    errors: list[str] = field(default_factory=list)
+
+
+class _Consumer:
+    def __init__(
+        self, cfg: ConsumerConfig, ready: multiprocessing.synchronize.Event, stop: multiprocessing.synchronize.Event
+    ) -> None:
+        self.cfg = cfg
+        self.ready = ready
+        self.stop = stop
+        self.report = ConsumerReport()
+        self.connection: Any = None
+        self.channel: Any = None
+        self.done = False
+        self.stop_seen_at: float | None = None
+        self.last_delivery = time.monotonic()
+
+    def run(self) -> ConsumerReport:
+        wall0, cpu0 = time.monotonic(), _cpu_seconds()
+        index = 0
+        lost_since: float | None = None
+        while not self.done:
+            port = self.cfg.ports[index % len(self.cfg.ports)]
+            self.connection = pika.SelectConnection(
+                _parameters(port),
+                on_open_callback=self._on_open,
+                on_open_error_callback=self._on_open_error,
+                on_close_callback=self._on_closed,
+            )
+            self.connection.ioloop.call_later(0.05, self._check_stop)
+            self.connection.ioloop.start()
+            if self.done:
+                break
+            if self.channel is not None or lost_since is None:  # it had worked: a new outage starts now
+                lost_since = time.monotonic()
+            self.channel = None
+            if time.monotonic() - lost_since > self.cfg.give_up_s:
+                self.report.errors.append(f"gave up reconnecting after {self.cfg.give_up_s:.0f} s")
+                break
+            if self.stop.is_set():
+                self.stop_seen_at = self.stop_seen_at or time.monotonic()
+                if not self.cfg.drain or time.monotonic() - self.stop_seen_at > self.cfg.drain_s:
+                    break
+            index += 1
+            self.report.reconnects += 1
+            time.sleep(0.05)
+        self.report.cpu_s = _cpu_seconds() - cpu0
+        self.report.wall_s = time.monotonic() - wall0
+        return self.report
+
+    def _on_open(self, connection: Any) -> None:
+        connection.channel(on_open_callback=self._on_channel)
+
+    def _on_open_error(self, connection: Any, error: BaseException) -> None:
+        self.report.errors.append(f"connect: {error!r}"[:200])
+        connection.ioloop.stop()
+
+    def _on_closed(self, connection: Any, reason: BaseException) -> None:
+        if not self.done:
+            self.report.errors.append(f"connection lost: {reason!r}"[:200])
+        connection.ioloop.stop()
+
+    def _on_channel(self, channel: Any) -> None:
+        self.channel = channel
+        channel.add_on_close_callback(self._on_channel_closed)
+        channel.add_on_cancel_callback(self._on_cancelled)
+        channel.basic_qos(prefetch_count=self.cfg.prefetch, callback=lambda _frame: self._consume())
+
+    def _consume(self) -> None:
+        self.channel.basic_consume(self.cfg.queue, self._on_message, auto_ack=False, callback=self._on_consume_ok)
+
+    def _on_consume_ok(self, _frame: Any) -> None:
+        self.ready.set()
+
+    def _on_cancelled(self, _frame: Any) -> None:
+        """The broker cancelled our consumer (e.g. the queue moved): subscribe again shortly."""
+        self.report.cancels += 1
+        self.connection.ioloop.call_later(0.1, self._consume)
+
+    def _on_channel_closed(self, channel: Any, reason: BaseException) -> None:
+        if not self.done:
+            self.report.errors.append(f"channel closed: {reason!r}"[:200])
+        if self.connection is not None and self.connection.is_open:
+            self.connection.close()
+
+    def _on_message(self, channel: Any, method: Any, _properties: Any, body: bytes) -> None:
+        now = time.monotonic_ns()
+        seq, sent = HEADER.unpack_from(body)
+        report = self.report
+        report.received_ns.append(now)
+        report.sent_ns.append(sent)
+        report.seqs.append(seq)
+        report.redelivered_flags.append(1 if method.redelivered else 0)
+        if method.redelivered:
+            report.redelivered += 1
+        channel.basic_ack(method.delivery_tag)
+        self.last_delivery = time.monotonic()
+
+    def _check_stop(self) -> None:
+        now = time.monotonic()
+        if self.stop.is_set():
+            if self.stop_seen_at is None:
+                self.stop_seen_at = now
+            finished = (
+                not self.cfg.drain
+                or now - self.last_delivery > self.cfg.idle_s
+                or now - self.stop_seen_at > self.cfg.drain_s
+            )
+            if finished:
+                self.done = True
+                if self.connection.is_open:
+                    self.connection.close()
+                else:
+                    self.connection.ioloop.stop()
+                return
+        self.connection.ioloop.call_later(0.05, self._check_stop)
+
+
+def _consumer_main(
+    cfg: ConsumerConfig,
+    ready: multiprocessing.synchronize.Event,
+    stop: multiprocessing.synchronize.Event,
+    results: multiprocessing.Queue[Any],
+) -> None:
+    try:
+        report = _Consumer(cfg, ready, stop).run()
+    except BaseException as exc:
+        report = ConsumerReport(errors=[f"consumer crashed: {exc!r}"])
+    results.put(("consumer", report))
+
+
+# --- orchestration (the parent process) -------------------------------------------------
+
+_CTX = multiprocessing.get_context("spawn")
+
+
+def prepare_queue(cluster: RabbitCluster, queue: str, node: int = 0, timeout: float = 30.0) -> list[str]:
+    """(Re)declare `queue` through `node` (so its master is there) and wait until every mirror is synchronised."""
+    connection = pika.BlockingConnection(_parameters(cluster.amqp_ports[node]))
+    try:
+        channel = connection.channel()
+        channel.queue_delete(queue)
+        channel.queue_declare(queue, durable=True)
+    finally:
+        connection.close()
+    deadline = time.monotonic() + timeout
+    wanted = cluster.size - 1
+    while True:
+        info = cluster.queue_info(queue)
+        if len(info.synchronised) >= wanted:
+            return info.synchronised
+        if time.monotonic() > deadline:
+            raise RabbitClusterError(
+                f"{queue}: mirrors {info.mirrors}, synchronised {info.synchronised} after {timeout} s"
+            )
+        time.sleep(0.2)
+
+
+def delete_queue(cluster: RabbitCluster, queue: str) -> None:
+    for i in range(cluster.size):
+        if not cluster.alive(i):
+            continue
+        with contextlib.suppress(Exception):
+            connection = pika.BlockingConnection(_parameters(cluster.amqp_ports[i]))
+            try:
+                connection.channel().queue_delete(queue)
+            finally:
+                connection.close()
+            return
+
+
+def _ports_from(cluster: RabbitCluster, first: int) -> list[int]:
+    ports = cluster.amqp_ports
+    return ports[first:] + ports[:first]
+
+
+def _collect(results: multiprocessing.Queue[Any], names: set[str], timeout: float) -> dict[str, Any]:
+    got: dict[str, Any] = {}
+    deadline = time.monotonic() + timeout
+    while names - got.keys():
+        try:
+            name, report = results.get(timeout=max(0.1, deadline - time.monotonic()))
+        except queue_module.Empty:
+            raise RuntimeError(f"no report from {sorted(names - got.keys())} within {timeout:.0f} s") from None
+        got[name] = report
+    return got
+
+
+def _join(processes: Sequence[SpawnProcess]) -> None:
+    for p in processes:
+        if p.pid is None:  # never started
+            continue
+        p.join(10)
+        if p.is_alive():
+            p.kill()
+            p.join()
+
+
+def _cpu_note(name: str, cpu_s: float, wall_s: float) -> str:
+    return f"{name} CPU {100 * cpu_s / wall_s:.0f}%" if wall_s > 0 else ""
+
+
+def _await_start(started: Any, process: SpawnProcess, timeout: float = 30.0) -> float:
+    """The producer's time zero (CLOCK_MONOTONIC seconds), once it has published its first message."""
+    deadline = time.monotonic() + timeout
+    while started.value == 0.0:
+        if time.monotonic() > deadline or not process.is_alive():
+            raise RuntimeError(f"{process.name} did not start publishing within {timeout:.0f} s")
+        time.sleep(0.01)
+    return float(started.value)
+
+
+def _broker_cpu_percent(cluster: RabbitCluster, started_s: float, warmup_s: float, measure_s: float) -> float:
+    """The nodes' CPU use over the measured window, in % of one core (200% = both cores here)."""
+    time.sleep(max(0.0, started_s + warmup_s - time.monotonic()))
+    cpu0, t0 = cluster.cpu_seconds(), time.monotonic()
+    time.sleep(max(0.0, started_s + warmup_s + measure_s - time.monotonic()))
+    elapsed = time.monotonic() - t0
+    return 100 * (cluster.cpu_seconds() - cpu0) / elapsed if elapsed > 0 else 0.0
+
+
+def run_w1(cluster: RabbitCluster, durations: Durations, queue: str = "bench.w1") -> WorkloadResult:
+    """One producer, confirms with up to 1000 in flight, nobody consuming: confirmed msgs/s."""
+    prepare_queue(cluster, queue)
+    results: multiprocessing.Queue[Any] = _CTX.Queue()
+    started = _CTX.Value("d", 0.0)
+    cfg = ProducerConfig(_ports_from(cluster, 0), queue, durations.warmup_s, durations.measure_s)
+    producer = _CTX.Process(target=_producer_main, args=(cfg, started, results), name="w1-producer")
+    producer.start()
+    try:
+        started_s = _await_start(started, producer)
+        broker_cpu = _broker_cpu_percent(cluster, started_s, durations.warmup_s, durations.measure_s)
+        report: ProducerReport = _collect(results, {"producer"}, durations.warmup_s + durations.measure_s + 60)[
+            "producer"
+        ]
+    finally:
+        _join([producer])
+        delete_queue(cluster, queue)
+    rate = report.confirmed_in_window / durations.measure_s
+    notes = [
+        f"{report.confirmed_in_window} confirmed in {durations.measure_s:g} s after {durations.warmup_s:g} s warm-up",
+        _cpu_note("producer", report.cpu_s, report.wall_s),
+        f"brokers CPU {broker_cpu:.0f}%",
+    ]
+    if report.nacked:
+        notes.append(f"{report.nacked} nacked")
+    if report.errors:
+        notes.append("errors: " + "; ".join(report.errors[:3]))
+    return WorkloadResult(
+        name="W1",
+        rate=rate,
+        notes=", ".join(n for n in notes if n),
+        details={
+            "confirmed": report.confirmed,
+            "published": report.published,
+            "producer_cpu_s": round(report.cpu_s, 3),
+            "producer_wall_s": round(report.wall_s, 3),
+            "brokers_cpu_percent": round(broker_cpu, 1),
+        },
+    )
+
+
+@dataclass
+class _RunOutcome:
+    producer: ProducerReport
+    consumer: ConsumerReport
+    killed_at_ns: int | None = None
+    killed_node: str = ""
+    master_before: str = ""
+    master_after: str = ""
+    broker_cpu_percent: float | None = None
+
+
+def _run_pair(
+    cluster: RabbitCluster,
+    queue: str,
+    warmup_s: float,
+    measure_s: float,
+    *,
+    rate: float | None,
+    drain: bool,
+    record_confirmed: bool,
+    drain_s: float = 30.0,
+    on_started: Callable[[float], _KillInfo | None] | None = None,
+) -> _RunOutcome:
+    master_before = cluster.queue_info(queue).master
+    master = cluster.node_index(master_before)
+    ports = _ports_from(cluster, master)
+    results: multiprocessing.Queue[Any] = _CTX.Queue()
+    ready, stop = _CTX.Event(), _CTX.Event()
+    started = _CTX.Value("d", 0.0)
+    consumer_cfg = ConsumerConfig(ports, queue, drain=drain, drain_s=drain_s)
+    producer_cfg = ProducerConfig(ports, queue, warmup_s, measure_s, rate=rate, record_confirmed=record_confirmed)
+    consumer = _CTX.Process(target=_consumer_main, args=(consumer_cfg, ready, stop, results), name="consumer")
+    producer = _CTX.Process(target=_producer_main, args=(producer_cfg, started, results), name="producer")
+    processes = [consumer, producer]
+    kill: _KillInfo | None = None
+    broker_cpu: float | None = None
+    try:
+        consumer.start()
+        if not ready.wait(30):
+            raise RuntimeError(f"the consumer did not subscribe to {queue} within 30 s")
+        producer.start()
+        started_s = _await_start(started, producer)
+        if on_started is not None:
+            kill = on_started(started_s)
+        else:
+            broker_cpu = _broker_cpu_percent(cluster, started_s, warmup_s, measure_s)
+        got = _collect(results, {"producer"}, warmup_s + measure_s + 120)
+        stop.set()
+        got.update(_collect(results, {"consumer"}, drain_s + 60))
+    finally:
+        stop.set()
+        _join(processes)
+    outcome = _RunOutcome(
+        producer=got["producer"],
+        consumer=got["consumer"],
+        master_before=master_before,
+        broker_cpu_percent=broker_cpu,
+    )
+    if kill is not None:
+        outcome.killed_at_ns = kill.at_ns
+        outcome.killed_node = kill.node
+        with contextlib.suppress(Exception):
+            outcome.master_after = cluster.queue_info(queue).master
+    return outcome
+
+
+@dataclass
+class _KillInfo:
+    node: str
+    at_ns: int
+
+
+def _latencies_ms(consumer: ConsumerReport, start_ns: int, end_ns: int) -> list[float]:
+    """Latencies of first deliveries received in [start_ns, end_ns), sorted."""
+    seen: set[int] = set()
+    out: list[float] = []
+    for received, sent, seq in zip(consumer.received_ns, consumer.sent_ns, consumer.seqs, strict=True):
+        if seq in seen:
+            continue
+        seen.add(seq)
+        if start_ns <= received < end_ns:
+            out.append((received - sent) / 1e6)
+    out.sort()
+    return out
+
+
+def run_w2(
+    cluster: RabbitCluster,
+    durations: Durations,
+    *,
+    rate: float | None = None,
+    queue: str = "bench.w2",
+) -> WorkloadResult:
+    """Producer and consumer at once (prefetch 1000, manual acks): delivered msgs/s and latency p50/p99."""
+    prepare_queue(cluster, queue)
+    try:
+        run = _run_pair(
+            cluster, queue, durations.warmup_s, durations.measure_s, rate=rate, drain=False, record_confirmed=False
+        )
+    finally:
+        delete_queue(cluster, queue)
+    producer, consumer = run.producer, run.consumer
+    start, end = producer.window_start_ns, producer.window_end_ns
+    delivered = sum(1 for t in consumer.received_ns if start <= t < end)
+    latencies = _latencies_ms(consumer, start, end)
+    name = "W2" if rate is None else f"W2@{rate:g}/s"
+    notes = [
+        f"{delivered} delivered in {durations.measure_s:g} s after {durations.warmup_s:g} s warm-up",
+        f"confirmed {producer.confirmed_in_window / durations.measure_s:.0f}/s",
+        _cpu_note("producer", producer.cpu_s, producer.wall_s),
+        _cpu_note("consumer", consumer.cpu_s, consumer.wall_s),
+        f"brokers CPU {run.broker_cpu_percent or 0:.0f}%",
+    ]
+    if rate is not None and producer.behind_schedule:
+        notes.append(f"producer {producer.behind_schedule} msgs behind schedule at the end")
+    errors = producer.errors + consumer.errors
+    if errors:
+        notes.append("errors: " + "; ".join(errors[:3]))
+    return WorkloadResult(
+        name=name,
+        rate=delivered / durations.measure_s,
+        p50_ms=percentile(latencies, 0.50) if latencies else None,
+        p99_ms=percentile(latencies, 0.99) if latencies else None,
+        duplicates=len(consumer.seqs) - len(set(consumer.seqs)),
+        notes=", ".join(n for n in notes if n),
+        details={
+            "delivered_in_window": delivered,
+            "confirmed_in_window": producer.confirmed_in_window,
+            "published": producer.published,
+            "target_rate": rate if rate is not None else "unbounded",
+            "producer_cpu_s": round(producer.cpu_s, 3),
+            "consumer_cpu_s": round(consumer.cpu_s, 3),
+            "brokers_cpu_percent": round(run.broker_cpu_percent or 0, 1),
+        },
+    )
+
+
+def run_w3(
+    cluster: RabbitCluster,
+    durations: Durations,
+    *,
+    rate: float = FIXED_RATE,
+    queue: str = "bench.w3",
+) -> WorkloadResult:
+    """W2 at a fixed rate, SIGKILL the master's node: seconds without service, messages lost, duplicates."""
+    prepare_queue(cluster, queue)
+    master = cluster.queue_master(queue)  # asked before the clients start: rabbitmqctl costs CPU
+
+    def kill_master(started_s: float) -> _KillInfo:
+        time.sleep(max(0.0, started_s + durations.w3_warmup_s - time.monotonic()))
+        at = cluster.kill_node(master)
+        return _KillInfo(node=cluster.node_names[master], at_ns=int(at * NS))
+
+    try:
+        run = _run_pair(
+            cluster,
+            queue,
+            durations.w3_warmup_s,
+            durations.w3_after_kill_s,
+            rate=rate,
+            drain=True,
+            record_confirmed=True,
+            drain_s=durations.drain_s,
+            on_started=kill_master,
+        )
+    finally:
+        delete_queue(cluster, queue)
+    return _w3_result(run, rate, durations)
+
+
+def _w3_result(run: _RunOutcome, rate: float, durations: Durations) -> WorkloadResult:
+    producer, consumer = run.producer, run.consumer
+    assert run.killed_at_ns is not None
+    kill = run.killed_at_ns
+    received = list(consumer.received_ns)
+    # the longest stretch without a delivery, from 1 s before the kill to the last delivery
+    around = [kill - NS, *(t for t in received if t >= kill - NS)]
+    gap_ns, resumed_ns = 0, kill
+    for a, b in itertools.pairwise(around):
+        if b - a > gap_ns:
+            gap_ns, resumed_ns = b - a, b
+    seen: set[int] = set()
+    redelivered_unseen = 0  # flagged redelivered, yet this is the first time the consumer sees them
+    for seq, flag in zip(consumer.seqs, consumer.redelivered_flags, strict=True):
+        if flag and seq not in seen:
+            redelivered_unseen += 1
+        seen.add(seq)
+    delivered = set(consumer.seqs)
+    confirmed = set(producer.confirmed_seqs)
+    lost = len(confirmed - delivered)
+    duplicates = len(consumer.seqs) - len(delivered)
+    latencies = _latencies_ms(consumer, producer.started_ns, 2**62)
+    run_s = (producer.window_end_ns - producer.started_ns) / NS
+    notes = [
+        f"SIGKILL {run.killed_node} (master) {durations.w3_warmup_s:g} s in; master now {run.master_after or '?'}",
+        f"deliveries resumed {(resumed_ns - kill) / NS:.2f} s after the kill",
+        f"longest confirm gap {producer.longest_confirm_gap_s:.2f} s",
+        f"reconnects: producer {producer.reconnects}, consumer {consumer.reconnects}",
+        f"republished {producer.republished}, redelivered {consumer.redelivered} ({redelivered_unseen} first seen)",
+        f"{producer.sequence_numbers} published, {len(confirmed)} confirmed, {len(delivered)} delivered",
+    ]
+    if producer.nacked:
+        notes.append(f"{producer.nacked} nacked")
+    # losing the killed node's connection, and failing to reach it again, are what W3 is about
+    expected = ("connection lost", "connect:", "channel closed: StreamLostError")
+    errors = [e for e in producer.errors + consumer.errors if not e.startswith(expected)]
+    if errors:
+        notes.append("errors: " + "; ".join(errors[:3]))
+    return WorkloadResult(
+        name=f"W3@{rate:g}/s",
+        rate=len(delivered) / run_s if run_s > 0 else None,
+        p50_ms=percentile(latencies, 0.50) if latencies else None,
+        p99_ms=percentile(latencies, 0.99) if latencies else None,
+        gap_s=gap_ns / NS,
+        lost=lost,
+        duplicates=duplicates,
+        notes=", ".join(notes),
+        details={
+            "killed_node": run.killed_node,
+            "master_after": run.master_after,
+            "published_unique": producer.sequence_numbers,
+            "confirmed": len(confirmed),
+            "delivered_unique": len(delivered),
+            "deliveries": len(consumer.seqs),
+            "republished": producer.republished,
+            "redelivered": consumer.redelivered,
+            "redelivered_first_seen": redelivered_unseen,
+            "producer_reconnects": producer.reconnects,
+            "consumer_reconnects": consumer.reconnects,
+            "resumed_after_kill_s": round((resumed_ns - kill) / NS, 3),
+            "longest_confirm_gap_s": round(producer.longest_confirm_gap_s, 3),
+        },
+    )
+
+
+# --- everything, one run -------------------------------------------------------------------
+
+WORKLOADS = ("w1", "w2", "w2rate", "w3")
+
+
+@dataclass
+class ReferenceReport:
+    """The reference side of `make bench`: what ran, on what, and its measurements."""
+
+    rabbitmq_version: str
+    erlang_version: str
+    nodes: int
+    setup: str
+    results: list[WorkloadResult]
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def run_reference(
+    *,
+    quick: bool = False,
+    only: Sequence[str] = WORKLOADS,
+    rate: float = FIXED_RATE,
+    progress: Callable[[str], None] | None = None,
+) -> ReferenceReport:
+    """Start a 3-node cluster, run the chosen workloads (W3 last: it kills a node), stop the cluster."""
+    unknown = set(only) - set(WORKLOADS)
+    if unknown:
+        raise ValueError(f"unknown workloads {sorted(unknown)}; choose from {WORKLOADS}")
+    durations = Durations.quick() if quick else Durations()
+    say = progress or (lambda _message: None)
+    results: list[WorkloadResult] = []
+    say("starting a 3-node RabbitMQ cluster on 127.0.0.1")
+    with RabbitCluster(3) as cluster:
+        say(f"RabbitMQ {cluster.version} on Erlang/OTP {cluster.erlang_version}: {', '.join(cluster.node_names)}")
+        steps: list[tuple[str, Callable[[], WorkloadResult]]] = [
+            ("w1", lambda: run_w1(cluster, durations)),
+            ("w2", lambda: run_w2(cluster, durations)),
+            ("w2rate", lambda: run_w2(cluster, durations, rate=rate, queue="bench.w2rate")),
+            ("w3", lambda: run_w3(cluster, durations, rate=rate)),
+        ]
+        for key, step in steps:
+            if key in only:
+                say(f"running {key}")
+                results.append(step())
+        setup = (
+            f"{cluster.size} nodes on 127.0.0.1, classic queues mirrored by policy "
+            f"{HA_POLICY_NAME} {json.dumps(HA_POLICY)}; pika {pika.__version__} SelectConnection, "
+            f"producer and consumer in separate processes; {PAYLOAD_SIZE}-byte transient bodies; "
+            f"confirms <= {MAX_IN_FLIGHT} in flight; prefetch {PREFETCH}, one ack per message"
+        )
+        return ReferenceReport(
+            rabbitmq_version=cluster.version,
+            erlang_version=cluster.erlang_version,
+            nodes=cluster.size,
+            setup=setup,
+            results=results,
+        )
+
+
+def format_table(results: Sequence[WorkloadResult]) -> str:
+    """A plain-text table, one row per workload."""
+
+    def cell(value: float | int | None, fmt: str) -> str:
+        return "-" if value is None else format(value, fmt)
+
+    header = f"{'workload':<12} {'msgs/s':>9} {'p50 ms':>9} {'p99 ms':>9} {'gap s':>7} {'lost':>6} {'dups':>6}  notes"
+    lines = [header, "-" * len(header)]
+    for r in results:
+        lines.append(
+            f"{r.name:<12} {cell(r.rate, '.0f'):>9} {cell(r.p50_ms, '.2f'):>9} {cell(r.p99_ms, '.2f'):>9} "
+            f"{cell(r.gap_s, '.2f'):>7} {cell(r.lost, 'd'):>6} {cell(r.duplicates, 'd'):>6}  {r.notes}"
+        )
+    return "\n".join(lines)

@@ -1,0 +1,217 @@
+"""Integration: mirrored queues on a cluster of real node processes.
+
+Basic operations through any node (forwarding to the master), bad input with
+clear statuses, and the failover acceptance test of issue 4: 100,000 messages
+published with confirms while the master is killed with SIGKILL; every
+confirmed message is delivered afterwards, none twice to the application
+(an idempotent publisher's retries are dropped), in publisher order except
+redeliveries, which carry the flag. Once with the consumer idle during the
+kill, once with it running.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from ringq.queue import QueueClient
+from ringq.v1 import coordinator_pb2, coordinator_pb2_grpc, queue_pb2
+from services import cluster
+
+pytestmark = pytest.mark.integration
+NODE_ARGS = ["--failure-timeout-ms", "600", "--heartbeat-interval-ms", "100", "--grace-ms", "100"]
+TOTAL = 100_000
+
+
+async def _start(directory: Path) -> cluster.ClusterInfo:
+    """A 3-node cluster whose queues named ha.* are mirrored on every node, synced automatically."""
+    info = cluster.up(3, directory, node_args=NODE_ARGS)
+    definition = {"ha-mode": "all", "ha-sync-mode": "automatic"}
+    policy = coordinator_pb2.Policy(vhost="/", name="ha", pattern="^ha\\.", definition_json=json.dumps(definition))
+    async with grpc.aio.insecure_channel(info.coordinator.address) as channel:
+        stub = coordinator_pb2_grpc.CoordinatorServiceStub(channel)
+        await stub.SetPolicy(coordinator_pb2.SetPolicyRequest(policy=policy))
+    await asyncio.sleep(2.0)  # every node's heartbeat has reached the coordinator: all are live
+    return info
+
+
+@pytest.fixture(scope="module")
+def shared_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[cluster.ClusterInfo]:
+    directory = tmp_path_factory.mktemp("queues")
+    try:
+        yield asyncio.run(_start(directory))
+    finally:
+        cluster.down(directory)
+
+
+def _client(info: cluster.ClusterInfo, *names: str) -> QueueClient:
+    by_name = {n.name: n.address for n in info.nodes}
+    return QueueClient([by_name[n] for n in names])
+
+
+async def _code(call: object) -> tuple[grpc.StatusCode, str]:
+    try:
+        await call  # type: ignore[misc]
+    except grpc.aio.AioRpcError as error:
+        return error.code(), error.details() or ""
+    raise AssertionError("the call succeeded")
+
+
+def test_queue_operations_through_any_node(shared_cluster: cluster.ClusterInfo) -> None:
+    async def scenario() -> None:
+        on1, on2, on3 = (_client(shared_cluster, n) for n in ("node1", "node2", "node3"))
+        info = await on1.declare("plain")
+        assert info.master_node == "node1" and list(info.mirrors) == []
+        publisher = on2.publisher("plain")  # forwarded to node1
+        await publisher.publish([b"m1", b"m2", b"m3"])
+        assert set(publisher.outcomes.values()) == {queue_pb2.PUBLISH_OUTCOME_CONFIRMED}
+        got = await on3.call("Get", queue_pb2.GetRequest(queue=on3.ref("plain"), no_ack=True))
+        assert got.found and got.delivery.body == b"m1"
+        stream = on1.consume("plain", prefetch=1, resume=False)
+        delivery = await anext(stream)
+        assert delivery.body == b"m2" and not delivery.redelivered
+        assert await on2.settle("plain", delivery, queue_pb2.SETTLE_KIND_REQUEUE)
+        again = await anext(stream)
+        assert again.body == b"m2" and again.redelivered and again.delivery_count == 2
+        assert await on1.settle("plain", again)
+        await stream.aclose()  # cancels the consumer: m3, which it held, goes back
+        while (await on1.status("plain")).consumers:
+            await asyncio.sleep(0.02)
+        purged = await on3.call("PurgeQueue", on3.ref("plain"))
+        assert purged.messages_purged == 1
+        deleted = await on2.call("DeleteQueue", queue_pb2.QueueDeleteRequest(queue=on2.ref("plain")))
+        assert deleted.messages_deleted == 0
+        for client in (on1, on2, on3):
+            await client.close()
+
+    asyncio.run(scenario())
+
+
+def test_bad_input_gets_clear_statuses(shared_cluster: cluster.ClusterInfo) -> None:
+    async def scenario() -> None:
+        client = _client(shared_cluster, "node2")
+        stub = client.stub()
+        code, message = await _code(stub.QueueStatus(client.ref("no-such-queue")))
+        assert code == grpc.StatusCode.NOT_FOUND and "no-such-queue" in message
+        await client.declare("strict", durable=True)
+        code, message = await _code(stub.DeclareQueue(queue_pb2.QueueDeclareRequest(queue=client.ref("strict"))))
+        assert code == grpc.StatusCode.FAILED_PRECONDITION and "durable" in message
+        declare = queue_pb2.QueueDeclareRequest(queue=client.ref("x"), arguments={"x-max-length": "ten"})
+        code, message = await _code(stub.DeclareQueue(declare))
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and "x-max-length" in message
+        settle = queue_pb2.SettleRequest(
+            queue=client.ref("strict"), consumer_tag="c", delivery_tag=7, kind=queue_pb2.SETTLE_KIND_ACK
+        )
+        code, message = await _code(stub.Settle(settle))
+        assert code == grpc.StatusCode.FAILED_PRECONDITION and "delivery tag 7" in message
+        settle.kind = queue_pb2.SETTLE_KIND_UNSPECIFIED
+        code, _ = await _code(stub.Settle(settle))
+        assert code == grpc.StatusCode.INVALID_ARGUMENT
+        for bad, expected in (
+            (queue_pb2.PublishRequest(queue=client.ref("strict")), "messages must not be empty"),
+            (
+                queue_pb2.PublishRequest(
+                    queue=client.ref("strict"), messages=[queue_pb2.OutgoingMessage(body=b"x" * (16 * 1024 * 1024 + 1))]
+                ),
+                "messages[0].body",
+            ),
+        ):
+            call = stub.Publish()
+            await call.write(bad)
+            code, message = await _code(call.read())
+            assert code == grpc.StatusCode.INVALID_ARGUMENT and expected in message
+        status = await client.status("strict")
+        assert status.depth == 0, "nothing was added by the refused requests"
+        await client.close()
+
+    asyncio.run(scenario())
+
+
+async def _failover(directory: Path, consume_during: bool) -> dict[str, float]:
+    info = await _start(directory)
+    client = _client(info, "node1", "node2", "node3")
+    queue = "ha.orders"
+    declared = await client.declare(queue, durable=True)
+    master = declared.master_node
+    deadline = time.monotonic() + 20
+    while len((await client.status(queue)).synchronised_mirrors) < 2:
+        assert time.monotonic() < deadline, "mirrors did not synchronise"
+        await asyncio.sleep(0.1)
+    publisher = client.publisher(queue, window=2000, batch=200)
+    seen: dict[int, int] = {}  # seq -> deliveries
+    order_violations: list[tuple[int, int]] = []
+    redelivered = 0
+    last_fresh = 0
+    consumer = _client(info, *[n.name for n in info.nodes if n.name != master])
+
+    async def consume(until: int) -> None:
+        nonlocal redelivered, last_fresh
+        unsettled = 0
+        async for delivery in consumer.consume(queue, prefetch=1000):
+            seq = delivery.seq
+            if delivery.redelivered:
+                redelivered += 1
+            elif seq <= last_fresh:
+                order_violations.append((last_fresh, seq))
+            else:
+                last_fresh = seq
+            seen[seq] = seen.get(seq, 0) + 1
+            unsettled += 1
+            if unsettled == 200 or len(seen) >= until:  # acknowledge in batches, as consumers do
+                await consumer.settle(queue, delivery, multiple=True)
+                unsettled = 0
+            if len(seen) >= until:
+                return
+
+    consuming = asyncio.ensure_future(consume(TOTAL)) if consume_during else None
+    started = time.monotonic()
+    publishing = asyncio.ensure_future(publisher.publish([f"{i:08d}".encode().ljust(256, b".") for i in range(TOTAL)]))
+    while len(publisher.outcomes) < TOTAL * 0.3:
+        await asyncio.sleep(0.02)
+    cluster.kill(directory, master, signal.SIGKILL)
+    killed_at = time.monotonic()
+    await asyncio.wait_for(publishing, 120)
+    published_in = time.monotonic() - started
+    if consuming is None:
+        consuming = asyncio.ensure_future(consume(TOTAL))
+    await asyncio.wait_for(consuming, 120)
+    duplicates = [seq for seq, count in seen.items() if count > 1]
+    assert set(publisher.outcomes) == set(range(1, TOTAL + 1))
+    confirmed = {
+        s
+        for s, o in publisher.outcomes.items()
+        if o in (queue_pb2.PUBLISH_OUTCOME_CONFIRMED, queue_pb2.PUBLISH_OUTCOME_DUPLICATE)
+    }
+    assert confirmed == set(range(1, TOTAL + 1)), "every message confirmed"
+    missing = confirmed - set(seen)
+    assert not missing, f"{len(missing)} confirmed messages never delivered, e.g. {sorted(missing)[:5]}"
+    assert len(duplicates) <= redelivered, "a message came twice without the redelivered flag"
+    assert not order_violations, order_violations[:5]
+    await client.close()
+    await consumer.close()
+    return {
+        "published_in": published_in,
+        "killed_after": killed_at - started,
+        "resends": publisher.resends,
+        "redelivered": redelivered,
+        "duplicates": len(duplicates),
+    }
+
+
+@pytest.mark.parametrize("consume_during", [False, True], ids=["consumer-after", "consumer-during"])
+def test_no_confirmed_message_is_lost_when_the_master_is_killed(tmp_path: Path, consume_during: bool) -> None:
+    directory = tmp_path / "cluster"
+    try:
+        figures = asyncio.run(asyncio.wait_for(_failover(directory, consume_during), 300))
+        published, killed = figures["published_in"], figures["killed_after"]
+        print(f"100,000 published in {published:.1f}s, master killed at {killed:.1f}s; ", end="")
+        print(f"{figures['resends']} resends, {figures['redelivered']} redelivered, {figures['duplicates']} repeats")
+    finally:
+        cluster.down(directory)

@@ -1,0 +1,711 @@
+"""The MessageLog contract (services/queue/message_log.py), run against MemoryMessageLog and FileMessageLog.
+
+Then FileMessageLog on disk: reopening, torn tails cut at every byte of the last record, garbage tails, the
+corruption policy (a bad record drops the rest of its segment, later segments are still replayed), segment
+rotation, garbage collection that never brings a removed message back, compaction with a crash between each of
+its steps, the directory lock, and a real crash test: a writing process SIGKILLed at random moments.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import random
+import shutil
+import signal
+import struct
+import subprocess
+import sys
+import threading
+import time
+import zlib
+from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
+from typing import Literal
+
+import pytest
+
+from services.queue import message_log
+from services.queue.message_log import (
+    HEADER_BYTES,
+    FileMessageLog,
+    LogClosedError,
+    LogFailedError,
+    LogLockedError,
+    MemoryMessageLog,
+    MessageLog,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+SMALL_SEGMENT = 4096  # contract tests on disk rotate, collect and compact
+
+
+def payload_for(message_id: int, size: int | None = None) -> bytes:
+    """A payload that tells which message it belongs to (so a mix-up or a damaged byte shows)."""
+    length = message_id * 2654435761 % 300 if size is None else size
+    seed = hashlib.blake2b(message_id.to_bytes(8, "little"), digest_size=32).digest()
+    return (seed * (length // 32 + 1))[:length]
+
+
+def record_bytes(payload_length: int) -> int:
+    return HEADER_BYTES + 8 + payload_length
+
+
+def segment_files(directory: Path) -> list[Path]:
+    return sorted(directory.glob("*.seg"))
+
+
+def is_snapshot(segment: Path) -> bool:
+    with segment.open("rb") as file:
+        return file.read(5)[4:5] == b"\x03"
+
+
+# ---------------------------------------------------------------------------------------------- openers
+
+
+class Opener:
+    """Opens the log under test, and restarts it as a crash would (what was not flushed is gone)."""
+
+    def __init__(self, kind: str, directory: Path) -> None:
+        self.kind = kind
+        self.directory = directory
+        self.opened: list[MessageLog] = []
+
+    def open(self) -> MessageLog:
+        log: MessageLog = MemoryMessageLog() if self.kind == "memory" else self._open_file()
+        self.opened.append(log)
+        return log
+
+    def restart(self, log: MessageLog) -> MessageLog:
+        if isinstance(log, MemoryMessageLog):
+            reopened: MessageLog = log.reopened()
+            log.close()
+        else:
+            log.close()
+            reopened = self._open_file()
+        self.opened.append(reopened)
+        return reopened
+
+    def _open_file(self) -> FileMessageLog:
+        return FileMessageLog(str(self.directory), segment_bytes=SMALL_SEGMENT)
+
+
+@pytest.fixture(params=["memory", "file"])
+def opener(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Opener]:
+    made = Opener(request.param, tmp_path / "log")
+    yield made
+    for log in made.opened:
+        log.close()
+
+
+@pytest.fixture
+def log(opener: Opener) -> MessageLog:
+    return opener.open()
+
+
+# ---------------------------------------------------------------------------------------------- contract
+
+
+def test_a_new_log_is_empty(log: MessageLog) -> None:
+    assert log.recover() == []
+    assert log.live_count() == 0
+    log.flush()  # nothing to write: harmless
+    assert log.recover() == []
+
+
+def test_round_trip(opener: Opener, log: MessageLog) -> None:
+    messages = [(1, b"hello"), (2, b""), (3, bytes(range(256)) * 3)]
+    for message_id, payload in messages:
+        log.append_enqueue(message_id, payload)
+    assert log.live_count() == 3
+    log.flush()
+    assert log.recover() == messages
+    restarted = opener.restart(log)
+    assert restarted.recover() == messages
+    assert restarted.live_count() == 3
+
+
+def test_recover_returns_what_was_flushed_and_a_restart_loses_the_rest(opener: Opener, log: MessageLog) -> None:
+    log.append_enqueue(1, b"one")
+    log.flush()
+    log.append_enqueue(2, b"two")
+    log.append_remove([1])
+    assert log.live_count() == 1  # counts appended operations, flushed or not
+    assert log.recover() == [(1, b"one")]  # as of the last completed flush
+    restarted = opener.restart(log)  # a crash: the unflushed enqueue and remove are gone
+    assert restarted.recover() == [(1, b"one")]
+    assert restarted.live_count() == 1
+
+
+def test_removes(opener: Opener, log: MessageLog) -> None:
+    for message_id in range(1, 7):
+        log.append_enqueue(message_id, payload_for(message_id))
+    log.flush()
+    log.append_remove([2, 4, 99])  # 99 was never enqueued: ignored
+    log.append_remove([4, 4])  # already removed: ignored
+    log.append_remove(iter([6]))  # any iterable
+    log.append_remove([])
+    assert log.live_count() == 3
+    log.flush()
+    expected = [(i, payload_for(i)) for i in (1, 3, 5)]
+    assert log.recover() == expected
+    assert opener.restart(log).recover() == expected
+
+
+def test_enqueue_and_remove_in_one_flush(opener: Opener, log: MessageLog) -> None:
+    log.append_enqueue(1, b"a")
+    log.append_enqueue(2, b"b")
+    log.append_remove([1])
+    log.flush()
+    assert log.recover() == [(2, b"b")]
+    assert opener.restart(log).recover() == [(2, b"b")]
+
+
+def test_recover_order_with_id_gaps(opener: Opener, log: MessageLog) -> None:
+    ids = [3, 10, 11, 1000, 1001, 70_000, 2**40, 2**63 + 5, 2**64 - 1]
+    for index, message_id in enumerate(ids):
+        log.append_enqueue(message_id, payload_for(index))
+        if index % 3 == 0:
+            log.flush()
+    log.append_remove([11, 2**40])
+    log.flush()
+    expected = [(m, payload_for(i)) for i, m in enumerate(ids) if m not in (11, 2**40)]
+    assert log.recover() == expected
+    assert opener.restart(log).recover() == expected
+
+
+def test_ids_must_be_positive_and_increase(opener: Opener, log: MessageLog) -> None:
+    log.append_enqueue(5, b"")
+    for bad in (5, 4, 0, -1, 2**64):
+        with pytest.raises(ValueError):
+            log.append_enqueue(bad, b"")
+    with pytest.raises(TypeError):
+        log.append_enqueue(True, b"")
+    log.append_enqueue(7, b"")
+    log.append_remove([7])
+    with pytest.raises(ValueError):  # within one open log, even a removed id is not reused
+        log.append_enqueue(7, b"")
+    log.flush()
+    restarted = opener.restart(log)
+    assert restarted.recover() == [(5, b"")]
+    with pytest.raises(ValueError):  # after a restart, ids continue above every recovered one
+        restarted.append_enqueue(5, b"")
+    restarted.append_enqueue(6, b"six")
+    restarted.flush()
+    assert restarted.recover() == [(5, b""), (6, b"six")]
+
+
+def test_a_closed_log_refuses_everything(log: MessageLog) -> None:
+    log.append_enqueue(1, b"x")
+    log.close()
+    log.close()  # twice is fine
+    with pytest.raises(LogClosedError):
+        log.append_enqueue(2, b"y")
+    with pytest.raises(LogClosedError):
+        log.append_remove([1])
+    with pytest.raises(LogClosedError):
+        log.flush()
+    with pytest.raises(LogClosedError):
+        log.recover()
+
+
+def test_random_workload_matches_a_model(opener: Opener, log: MessageLog) -> None:
+    """Random enqueues, removes, flushes and restarts; on disk this rotates, collects and compacts many times."""
+    rng = random.Random(7)
+    flushed: dict[int, bytes] = {}
+    appended: dict[int, bytes] = {}
+    next_id = 1
+    for round_number in range(600):
+        for _ in range(rng.randint(0, 8)):
+            next_id += rng.choice((1, 1, 2, 9))
+            appended[next_id] = payload_for(next_id)
+            log.append_enqueue(next_id, appended[next_id])
+        if appended and rng.random() < 0.7:
+            keep_old = [i for i in appended if i % 13 == 0]  # a few messages stay for a long time
+            candidates = [i for i in appended if i % 13 != 0]
+            chosen = candidates[: rng.randint(0, len(candidates))]
+            if rng.random() < 0.2 and candidates:
+                chosen.append(rng.choice(candidates))  # out of order, or twice
+            if rng.random() < 0.05 and keep_old:
+                chosen.append(keep_old[0])
+            log.append_remove(chosen)
+            for message_id in chosen:
+                appended.pop(message_id, None)
+        assert log.live_count() == len(appended)
+        if rng.random() < 0.6:
+            log.flush()
+            flushed = dict(appended)
+        if round_number % 97 == 96:
+            log = opener.restart(log)
+            appended = dict(flushed)
+        if round_number % 50 == 0:
+            assert log.recover() == list(flushed.items())
+    log.flush()
+    assert log.recover() == list(appended.items())
+    assert opener.restart(log).recover() == list(appended.items())
+    if opener.kind == "file":  # reclaimed as it went: compaction keeps closed segments under 4x their live data
+        on_disk = sum(segment.stat().st_size for segment in segment_files(opener.directory))
+        live = sum(record_bytes(len(payload)) for payload in appended.values())
+        assert on_disk <= 4 * live + 2 * SMALL_SEGMENT
+
+
+def test_appends_from_one_thread_while_another_flushes(opener: Opener, log: MessageLog) -> None:
+    total = 3000
+    done = threading.Event()
+
+    def produce() -> None:
+        for message_id in range(1, total + 1):
+            log.append_enqueue(message_id, payload_for(message_id, 40))
+            if message_id % 3 == 0:
+                log.append_remove([message_id - 1])
+        done.set()
+
+    producer = threading.Thread(target=produce)
+    producer.start()
+    while not done.is_set():
+        log.flush()
+    producer.join()
+    log.flush()
+    expected = [(i, payload_for(i, 40)) for i in range(1, total + 1) if i % 3 != 2]
+    assert log.recover() == expected
+    assert opener.restart(log).recover() == expected
+
+
+# ---------------------------------------------------------------------------------------------- on disk
+
+
+def open_file_log(
+    directory: Path, segment_bytes: int = SMALL_SEGMENT, *, fault_hook: Callable[[str], None] | None = None
+) -> FileMessageLog:
+    return FileMessageLog(str(directory), segment_bytes=segment_bytes, fault_hook=fault_hook)
+
+
+def write_messages(directory: Path, ids: Iterable[int], segment_bytes: int = SMALL_SEGMENT, size: int = 40) -> None:
+    with open_file_log(directory, segment_bytes) as log:
+        for message_id in ids:
+            log.append_enqueue(message_id, payload_for(message_id, size))
+            log.flush()
+
+
+def test_reopening_recovers_every_flush(tmp_path: Path) -> None:
+    directory = tmp_path / "log"
+    for start in range(1, 50, 7):
+        with open_file_log(directory) as log:
+            assert [m for m, _ in log.recover()] == list(range(1, start))
+            for message_id in range(start, start + 7):
+                log.append_enqueue(message_id, payload_for(message_id, 100))
+            log.flush()
+    with open_file_log(directory) as log:
+        assert log.recover() == [(i, payload_for(i, 100)) for i in range(1, 50)]
+        assert log.truncations == []
+
+
+@pytest.mark.parametrize("last", ["enqueue", "remove"])
+def test_a_torn_last_record_is_dropped_at_every_offset(tmp_path: Path, last: str) -> None:
+    base = tmp_path / "base"
+    write_messages(base, range(1, 6), segment_bytes=1 << 20)
+    with open_file_log(base, 1 << 20) as log:
+        if last == "enqueue":
+            log.append_enqueue(6, payload_for(6, 40))
+        else:
+            log.append_remove([3])
+        log.flush()
+    (segment,) = segment_files(base)
+    full = segment.stat().st_size
+    start = full - (record_bytes(40) if last == "enqueue" else HEADER_BYTES + 8)
+    before_last = [(i, payload_for(i, 40)) for i in range(1, 6)]
+    for cut in range(start, full + 1):
+        trial = tmp_path / f"cut-{cut}"
+        shutil.copytree(base, trial)
+        os.truncate(trial / segment.name, cut)
+        with open_file_log(trial, 1 << 20) as log:
+            recovered = log.recover()
+            if cut == full:
+                assert log.truncations == []
+                assert recovered != before_last  # the whole last record is there
+                continue
+            assert recovered == before_last, cut
+            if cut == start:
+                assert log.truncations == []
+            else:
+                (truncation,) = log.truncations
+                assert (truncation.offset, truncation.dropped_bytes, truncation.newest_segment) == (
+                    start,
+                    cut - start,
+                    True,
+                )
+            assert (trial / segment.name).stat().st_size == start  # cut away on disk too
+            log.append_enqueue(100, b"after the crash")
+            log.flush()
+        with open_file_log(trial, 1 << 20) as log:
+            assert log.recover() == [*before_last, (100, b"after the crash")]
+            assert log.truncations == []
+        shutil.rmtree(trial)
+
+
+def bad_crc_record() -> bytes:
+    body = struct.pack("<Q", 99) + b"payload"
+    fields = struct.pack("<BBHI", 1, 1, 0, len(body))
+    return b"RQML" + fields + struct.pack("<I", zlib.crc32(body) ^ 1) + body
+
+
+@pytest.mark.parametrize(
+    "garbage",
+    [
+        b"\x00" * 100,  # zeroed blocks, as a power loss can leave
+        random.Random(3).randbytes(100),
+        bad_crc_record(),
+        b"RQML" + struct.pack("<BBHII", 1, 1, 0, 1 << 30, 0),  # a header promising more than there is
+        b"RQM",
+    ],
+    ids=["zeros", "random", "bad-crc", "huge-length", "short"],
+)
+def test_garbage_after_the_last_record_is_dropped(tmp_path: Path, garbage: bytes) -> None:
+    directory = tmp_path / "log"
+    write_messages(directory, range(1, 4))
+    segment = segment_files(directory)[-1]
+    size = segment.stat().st_size
+    with segment.open("ab") as file:
+        file.write(garbage)
+    with open_file_log(directory) as log:
+        assert log.recover() == [(i, payload_for(i, 40)) for i in range(1, 4)]
+        assert [(t.offset, t.dropped_bytes) for t in log.truncations] == [(size, len(garbage))]
+    assert segment.stat().st_size == size
+
+
+def test_a_corrupt_record_drops_the_rest_of_its_segment(tmp_path: Path) -> None:
+    """Policy: records after a bad one in the same segment are never returned (they may not be a prefix)."""
+    directory = tmp_path / "log"
+    write_messages(directory, range(1, 11), segment_bytes=1 << 20)
+    (segment,) = segment_files(directory)
+    fifth = 4 * record_bytes(40)
+    data = bytearray(segment.read_bytes())
+    data[fifth + HEADER_BYTES + 8 + 10] ^= 0xFF  # a payload byte of message 5
+    segment.write_bytes(bytes(data))
+    with open_file_log(directory, 1 << 20) as log:
+        assert log.recover() == [(i, payload_for(i, 40)) for i in range(1, 5)]
+        (truncation,) = log.truncations
+        assert truncation.offset == fifth
+        assert truncation.reason == "CRC mismatch"
+        assert truncation.dropped_bytes == 6 * record_bytes(40)
+    with open_file_log(directory, 1 << 20) as log:  # cut away for good: the next open is clean
+        assert [m for m, _ in log.recover()] == [1, 2, 3, 4]
+        assert log.truncations == []
+
+
+def test_a_corrupt_record_in_an_older_segment_keeps_later_segments(tmp_path: Path) -> None:
+    directory = tmp_path / "log"
+    per_segment = 3
+    write_messages(directory, range(1, 13), segment_bytes=per_segment * record_bytes(40))
+    segments = segment_files(directory)
+    assert len(segments) == 4
+    data = bytearray(segments[1].read_bytes())
+    data[record_bytes(40) + 5] ^= 0x01  # the header of message 5, the second record of the second segment
+    segments[1].write_bytes(bytes(data))
+    with open_file_log(directory, per_segment * record_bytes(40)) as log:
+        assert [m for m, _ in log.recover()] == [1, 2, 3, 4, 7, 8, 9, 10, 11, 12]
+        (truncation,) = log.truncations
+        assert (truncation.path, truncation.offset, truncation.newest_segment) == (
+            str(segments[1]),
+            record_bytes(40),
+            False,
+        )
+
+
+def test_segments_rotate_at_segment_bytes(tmp_path: Path) -> None:
+    directory = tmp_path / "log"
+    limit = 1024
+    with open_file_log(directory, limit) as log:
+        for message_id in range(1, 61):
+            log.append_enqueue(message_id, payload_for(message_id, 100))
+            if message_id % 7 == 0:
+                log.flush()
+        log.append_enqueue(61, payload_for(61, 3000))  # bigger than a segment: one of its own
+        log.append_enqueue(62, payload_for(62, 100))
+        log.flush()
+    segments = segment_files(directory)
+    assert len(segments) >= 60 * record_bytes(100) // limit
+    sizes = [segment.stat().st_size for segment in segments]
+    assert sizes.count(record_bytes(3000)) == 1
+    assert all(size <= limit for size in sizes if size != record_bytes(3000))
+    assert [int(segment.stem) for segment in segments] == list(range(1, len(segments) + 1))
+    with open_file_log(directory, limit) as log:
+        expected = [(i, payload_for(i, 100)) for i in range(1, 61)]
+        assert log.recover() == [*expected, (61, payload_for(61, 3000)), (62, payload_for(62, 100))]
+
+
+def test_dead_segments_are_deleted(tmp_path: Path) -> None:
+    directory = tmp_path / "log"
+    with open_file_log(directory, 1024) as log:
+        for message_id in range(1, 101):
+            log.append_enqueue(message_id, payload_for(message_id, 100))
+            log.flush()
+        assert len(segment_files(directory)) > 10
+        log.append_remove(range(1, 96))
+        log.flush()
+        assert len(segment_files(directory)) <= 3  # 89..96, 97..100, the remove
+        assert [m for m, _ in log.recover()] == [96, 97, 98, 99, 100]
+    with open_file_log(directory, 1024) as log:
+        assert [m for m, _ in log.recover()] == [96, 97, 98, 99, 100]
+
+
+def test_a_segment_whose_removes_protect_an_older_one_is_kept(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Segment 2 holds only dead messages but also the remove of message 2, stored in segment 1 next to a
+    long-lived message: deleting segment 2 before segment 1 would bring message 2 back."""
+    monkeypatch.setattr(message_log, "COMPACT_LIVE_FRACTION", 0.0)  # garbage collection alone
+    directory = tmp_path / "log"
+    limit = 2 * record_bytes(20)
+    with open_file_log(directory, limit) as log:
+        log.append_enqueue(1, payload_for(1, 20))  # long-lived
+        log.append_enqueue(2, payload_for(2, 20))
+        log.flush()  # segment 1: enqueue 1, enqueue 2
+        log.append_remove([2])
+        log.append_enqueue(3, payload_for(3, 20))
+        log.flush()  # segment 2: remove 2, enqueue 3
+        log.append_remove([3])
+        log.append_enqueue(4, payload_for(4, 20))
+        log.flush()  # segment 2: remove 3; segment 3: enqueue 4
+        assert [int(s.stem) for s in segment_files(directory)] == [1, 2, 3]  # 2 is dead but must stay
+    with open_file_log(directory, limit) as log:
+        assert [m for m, _ in log.recover()] == [1, 4]
+        assert [int(s.stem) for s in segment_files(directory)] == [1, 2, 3]
+        log.append_remove([1])
+        log.flush()
+        assert [int(s.stem) for s in segment_files(directory)] == [3, 4]  # 1 and then 2 went
+    with open_file_log(directory, limit) as log:
+        assert [m for m, _ in log.recover()] == [4]
+
+
+def compaction_workload(log: FileMessageLog) -> list[tuple[int, bytes]]:
+    """Fill 15 segments, keep every 17th message: live data drops under a quarter and the log compacts."""
+    for message_id in range(1, 201):
+        log.append_enqueue(message_id, payload_for(message_id, 50))
+        if message_id % 10 == 0:
+            log.flush()
+    log.append_remove(i for i in range(1, 181) if i % 17)
+    log.flush()  # this flush compacts
+    return [(i, payload_for(i, 50)) for i in range(1, 201) if i % 17 == 0 or i > 180]
+
+
+def test_compaction_keeps_exactly_the_live_messages_in_order(tmp_path: Path) -> None:
+    directory = tmp_path / "log"
+    steps: list[str] = []
+    with open_file_log(directory, 1024, fault_hook=steps.append) as log:
+        expected = compaction_workload(log)
+        assert "compaction.renamed" in steps
+        assert log.recover() == expected
+        segments = segment_files(directory)
+        assert len(segments) <= 3
+        assert is_snapshot(segments[0])
+        assert not list(directory.glob("*.compacting"))
+        # Keep going: the snapshot itself is compacted again later.
+        for message_id in range(201, 401):
+            log.append_enqueue(message_id, payload_for(message_id, 50))
+            log.append_remove([message_id - 10])
+            log.flush()
+        expected = [(i, p) for i, p in expected if i <= 190] + [(i, payload_for(i, 50)) for i in range(391, 401)]
+        assert steps.count("compaction.renamed") >= 2
+        assert log.recover() == expected
+    with open_file_log(directory, 1024) as log:
+        assert log.recover() == expected
+        assert log.truncations == []
+
+
+class SimulatedCrash(Exception):
+    pass
+
+
+COMPACTION_STEPS = [
+    "compaction.start",
+    "compaction.written",
+    "compaction.synced",
+    "compaction.renamed",
+    "compaction.dir_synced",
+    "compaction.deleted",
+]
+
+
+@pytest.mark.parametrize("step", [*COMPACTION_STEPS, "compaction.written+torn", "gc.deleted"])
+def test_a_crash_at_any_step_of_compaction_loses_nothing(tmp_path: Path, step: str) -> None:
+    directory = tmp_path / "log"
+    target = step.removesuffix("+torn")
+
+    def crash(name: str) -> None:
+        if name == target:
+            raise SimulatedCrash(name)
+
+    log = open_file_log(directory, 1024, fault_hook=crash)
+    if target == "gc.deleted":
+        with pytest.raises(SimulatedCrash):
+            for message_id in range(1, 100):
+                log.append_enqueue(message_id, payload_for(message_id, 50))
+                log.append_remove([message_id - 1])
+                log.flush()
+        expected = [(message_id, payload_for(message_id, 50))]
+    else:
+        with pytest.raises(SimulatedCrash):
+            compaction_workload(log)
+        expected = [(i, payload_for(i, 50)) for i in range(1, 201) if i % 17 == 0 or i > 180]
+    with pytest.raises(LogFailedError):  # a log that failed mid-flush refuses to go on
+        log.flush()
+    log.close()
+
+    leftovers = list(directory.glob("*.compacting"))
+    assert len(leftovers) == (1 if target in ("compaction.written", "compaction.synced") else 0)
+    if step.endswith("+torn"):
+        os.truncate(leftovers[0], leftovers[0].stat().st_size // 2)
+    if target in ("compaction.renamed", "compaction.dir_synced", "compaction.deleted"):
+        segments = segment_files(directory)
+        snapshots = [s for s in segments if is_snapshot(s)]
+        assert len(snapshots) == 1 and segments.index(snapshots[0]) > 0  # replaced segments still there
+
+    with open_file_log(directory, 1024) as log:
+        assert log.recover() == expected
+        assert not list(directory.glob("*.compacting"))
+        assert not any(is_snapshot(s) for s in segment_files(directory)[1:])  # superseded segments deleted
+        next_id = expected[-1][0] + 1
+        for message_id in range(next_id, next_id + 200):  # and the log carries on, compacting again
+            log.append_enqueue(message_id, payload_for(message_id, 50))
+            log.append_remove([message_id - 1] if message_id > next_id else [])
+            log.flush()
+        expected = [*expected, (next_id + 199, payload_for(next_id + 199, 50))]
+        assert log.recover() == expected
+    with open_file_log(directory, 1024) as log:
+        assert log.recover() == expected
+
+
+def test_one_writer_per_directory(tmp_path: Path) -> None:
+    directory = tmp_path / "log"
+    first = open_file_log(directory)
+    with pytest.raises(LogLockedError, match=f"pid {os.getpid()}"):
+        open_file_log(directory)
+    probe = (
+        "import sys\n"
+        "from services.queue.message_log import FileMessageLog, LogLockedError\n"
+        "try:\n"
+        "    FileMessageLog(sys.argv[1])\n"
+        "except LogLockedError as exc:\n"
+        "    print(exc)\n"
+        "    sys.exit(3)\n"
+    )
+    other = subprocess.run(
+        [sys.executable, "-c", probe, str(directory)], cwd=REPO, capture_output=True, text=True, timeout=30
+    )
+    assert other.returncode == 3, other.stderr
+    assert "already open" in other.stdout
+    first.close()
+    with open_file_log(directory) as second:
+        assert second.recover() == []
+
+
+# ---------------------------------------------------------------------------------------------- a real crash
+
+CRASH_SEGMENT_BYTES = 16 * 1024
+Op = tuple[Literal["enqueue", "remove"], tuple[int, ...]]
+
+
+def crash_workload(seed: int, live_ids: list[int]) -> Iterator[list[Op]]:
+    """Deterministic steps (each flushed as one) from a starting state: publishes, acks mostly from the head,
+    a few long-lived messages (so compaction, not only collection, reclaims space), duplicate and unknown ids."""
+    rng = random.Random(seed)
+    live = list(live_ids)
+    next_id = max(live_ids, default=0) + 1
+    while True:
+        step: list[Op] = []
+        for _ in range(rng.randint(1, 30)):
+            step.append(("enqueue", (next_id,)))
+            live.append(next_id)
+            next_id += rng.choice((1, 1, 1, 2, 7))
+        removable = [i for i in live if i % 41]
+        if removable and rng.random() < 0.85:
+            chosen = removable[: rng.randint(0, min(len(removable), 45))]
+            if rng.random() < 0.3:
+                chosen.append(rng.choice(removable))
+            if rng.random() < 0.1:
+                chosen.append(next_id + 5000)  # not enqueued (yet): a no-op
+            step.append(("remove", tuple(chosen)))
+            gone = set(chosen)
+            live = [i for i in live if i not in gone]
+        yield step
+
+
+def crash_child(directory: str, seed: int) -> None:
+    """Runs in a subprocess: apply crash_workload, printing each step's index once its flush returned."""
+    log = FileMessageLog(directory, segment_bytes=CRASH_SEGMENT_BYTES)
+    recovered = log.recover()
+    print("ready", flush=True)
+    for index, step in enumerate(crash_workload(seed, [message_id for message_id, _ in recovered])):
+        for kind, ids in step:
+            if kind == "enqueue":
+                log.append_enqueue(ids[0], payload_for(ids[0]))
+            else:
+                log.append_remove(ids)
+        log.flush()
+        print(index, flush=True)
+
+
+def assert_recovered_a_prefix(
+    seed: int, before: list[tuple[int, bytes]], flushed_steps: int, recovered: list[tuple[int, bytes]]
+) -> None:
+    """`recovered` must be the state after some prefix of the operations containing every flushed step."""
+    workload = crash_workload(seed, [message_id for message_id, _ in before])
+    steps = [next(workload) for _ in range(flushed_steps + 1)]  # on disk: at most one step beyond the printed
+    ops = [op for step in steps for op in step]
+    flushed_ops = sum(len(step) for step in steps[:flushed_steps])
+    state = dict(before)
+
+    def apply(op: Op) -> None:
+        kind, ids = op
+        if kind == "enqueue":
+            state[ids[0]] = payload_for(ids[0])
+        else:
+            for message_id in ids:
+                state.pop(message_id, None)
+
+    for op in ops[:flushed_ops]:
+        apply(op)
+    for op in ops[flushed_ops:]:
+        if list(state.items()) == recovered:
+            return
+        apply(op)
+    assert list(state.items()) == recovered, (
+        f"seed {seed}: recovered {len(recovered)} messages, not the state after any prefix "
+        f"that contains the {flushed_steps} flushed steps"
+    )
+
+
+def test_sigkill_while_writing_loses_no_flushed_message(tmp_path: Path) -> None:
+    directory = tmp_path / "log"
+    timing = random.Random(2024)
+    state: list[tuple[int, bytes]] = []
+    total_flushed = 0
+    for round_number in range(7):
+        seed = 1000 + round_number
+        child = subprocess.Popen(
+            [
+                sys.executable,
+                "-c",
+                "import sys; from tests.test_message_log import crash_child as c; c(sys.argv[1], int(sys.argv[2]))",
+                str(directory),
+                str(seed),
+            ],
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        assert child.stdout is not None
+        assert child.stdout.readline() == "ready\n"
+        time.sleep(timing.uniform(0.02, 0.5))
+        child.send_signal(signal.SIGKILL)
+        assert child.wait(timeout=30) == -signal.SIGKILL
+        output = child.stdout.read()  # what it printed (the pipe outlives it), buffered part included
+        child.stdout.close()
+        lines = output.splitlines(keepends=True)
+        printed = [int(line) for line in lines if line.endswith("\n")]
+        assert printed == list(range(len(printed)))
+        total_flushed += len(printed)
+        with FileMessageLog(str(directory), segment_bytes=CRASH_SEGMENT_BYTES) as log:
+            recovered = log.recover()
+        assert_recovered_a_prefix(seed, state, len(printed), recovered)
+        state = recovered
+    assert total_flushed > 50  # the writer got well under way
