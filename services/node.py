@@ -76,6 +76,8 @@ class NodeSettings:
     # group itself (None: the failure timeout). Only a fallback: the node's
     # group watch normally brings every new view at once.
     membership_check: float | None = None
+    # Where durable queues keep their messages (a directory per queue).
+    data_dir: str = "data"
 
 
 class Node:
@@ -210,8 +212,11 @@ class Node:
                     response = await stub.AddOnRight(request, timeout=self.settings.failure_timeout + 5.0)
                     return group_from_proto(response.group)
                 except grpc.aio.AioRpcError as error:
-                    if error.code() in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.NOT_FOUND):
-                        return None
+                    if error.code() == grpc.StatusCode.FAILED_PRECONDITION:
+                        return None  # it is still joining itself: ask again
+                    if error.code() == grpc.StatusCode.NOT_FOUND:
+                        # Its node does not host it (the node restarted): it is gone.
+                        raise ConnectionError(f"{left} is not hosted on {node}") from error
                     if error.code() != grpc.StatusCode.UNAVAILABLE:
                         raise ConnectionError(f"AddOnRight to {left}: {error.code().name}") from error
             if time.monotonic() > deadline:
@@ -463,7 +468,7 @@ async def serve(node_id: str, listen: str, coordinator: str, settings: NodeSetti
     node = Node(node_id, address, client, settings)
     group_pb2_grpc.add_GroupServiceServicer_to_server(GroupServicer(node), server)
     peer_pb2_grpc.add_PeerServiceServicer_to_server(PeerServicer(node), server)
-    queues = QueueManager(node, client)
+    queues = QueueManager(node, client, settings.data_dir)
     queue_servicer = QueueServicer(node.id, queues, client, node.address_of, node.peer_channel)
     queue_pb2_grpc.add_QueueServiceServicer_to_server(queue_servicer, server)
     await server.start()
@@ -512,6 +517,7 @@ def parser() -> argparse.ArgumentParser:
     out.add_argument("--heartbeat-interval-ms", type=_millis, default=str(defaults.heartbeat_interval * 1000))
     out.add_argument("--failure-timeout-ms", type=_millis, default=str(defaults.failure_timeout * 1000))
     out.add_argument("--grace-ms", type=_millis, default=str(defaults.grace * 1000))
+    out.add_argument("--data-dir", help="where durable queues keep their messages (default data/NODE_ID)")
     out.add_argument(
         "--membership-check-ms",
         type=_millis,
@@ -531,6 +537,7 @@ def main(argv: list[str] | None = None) -> int:
         failure_timeout=args.failure_timeout_ms,
         grace=args.grace_ms,
         membership_check=args.membership_check_ms,
+        data_dir=args.data_dir or os.path.join("data", args.id),
     )
     try:
         asyncio.run(serve(args.id, args.listen, args.coordinator, settings, args.ready_file))

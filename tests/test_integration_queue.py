@@ -30,9 +30,9 @@ NODE_ARGS = ["--failure-timeout-ms", "600", "--heartbeat-interval-ms", "100", "-
 TOTAL = 100_000
 
 
-async def _start(directory: Path) -> cluster.ClusterInfo:
+async def _start(directory: Path, node_args: list[str] | None = None) -> cluster.ClusterInfo:
     """A 3-node cluster whose queues named ha.* are mirrored on every node, synced automatically."""
-    info = cluster.up(3, directory, node_args=NODE_ARGS)
+    info = cluster.up(3, directory, node_args=NODE_ARGS if node_args is None else node_args)
     definition = {"ha-mode": "all", "ha-sync-mode": "automatic"}
     policy = coordinator_pb2.Policy(vhost="/", name="ha", pattern="^ha\\.", definition_json=json.dumps(definition))
     async with grpc.aio.insecure_channel(info.coordinator.address) as channel:

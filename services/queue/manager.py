@@ -16,8 +16,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 from collections.abc import Awaitable, Callable
 from typing import Protocol
+from urllib.parse import quote
 
 import grpc
 
@@ -43,8 +45,9 @@ class QueueNode(Protocol):
 class QueueManager:
     """Runs this node's queue replicas."""
 
-    def __init__(self, node: QueueNode, coordinator: CoordinatorClient) -> None:
+    def __init__(self, node: QueueNode, coordinator: CoordinatorClient, data_dir: str = "data") -> None:
         self.node = node
+        self.data_dir = data_dir
         self.node_id = node.id
         self.coordinator = coordinator
         self.replicas: dict[QueueKey, QueueReplica] = {}
@@ -134,6 +137,12 @@ class QueueManager:
 
     def new_member(self, group: str, events: Callable[[MemberEvent], None]) -> MemberShell:
         return self.node.new_member(group, events)
+
+    def queue_dir(self, record: QueueRecord) -> str:
+        """Where this node keeps `record`'s messages: per queue incarnation (its GM group)."""
+        return os.path.join(
+            self.data_dir, "queues", quote(record.vhost, safe=""), quote(record.name, safe=""), record.gm_group
+        )
 
     async def update_record(
         self, record: QueueRecord, change: Callable[[QueueRecord], QueueRecord | None]

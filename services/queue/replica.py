@@ -21,19 +21,25 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
+import shutil
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from ringq.v1 import queue_replication_pb2
 from services.coordinator.metadata import QueueRecord
 from services.gm.member import MemberEvent, MemberShell
 from services.gm.messages import Deliver as GmDeliver
 from services.gm.messages import Joined, MembersChanged, Stopped
 from services.queue import wire
+from services.queue.contents import QueueContents
+from services.queue.group_commit import GroupCommitter
 from services.queue.master import Delivery, Publish, PublishOutcome, QueueError, QueueLimits, QueueMaster, Step
+from services.queue.message_log import FileMessageLog
 from services.queue.mirror import QueueMirror
-from services.queue.ops import Synchronised, SyncRequest
+from services.queue.ops import Discard, Enqueue, Settle, Synchronised, SyncRequest
 
 log = logging.getLogger("ringq.queue")
 DEPTH_REPORT_SECONDS = 1.0
@@ -61,6 +67,8 @@ class ReplicaHost(Protocol):
 
     async def dead_letter(self, vhost: str, queue: str, bodies: list[Publish]) -> None: ...
 
+    def queue_dir(self, record: QueueRecord) -> str: ...
+
 
 @dataclass
 class Consumer:
@@ -79,8 +87,16 @@ class QueueReplica:
         )
         self.master: QueueMaster | None = None
         self.mirror: QueueMirror | None = None
+        # Durable queues: the master keeps persistent messages in a log on disk
+        # and confirms them only once a group commit made them durable.
+        self.log: FileMessageLog | None = None
+        self.committer: GroupCommitter | None = None
         if record.master == host.node_id:
-            self.master = QueueMaster(record.name, limits=self.limits)
+            self.master = QueueMaster(record.name, self._recover(), self.limits)
+        else:
+            # Exists before the GM member joins: the master's reports may arrive
+            # as soon as it has (its member id is filled in then).
+            self.mirror = QueueMirror(record.name, "")
         self.member: MemberShell | None = None
         self.members: set[str] = set()
         self.consumers: dict[str, Consumer] = {}
@@ -94,9 +110,73 @@ class QueueReplica:
     def is_master(self) -> bool:
         return self.master is not None
 
+    # ------------------------------------------------------------ durability
+
+    def _open_log(self, fresh: bool) -> list[tuple[int, bytes]]:
+        path = self.host.queue_dir(self.record)
+        if fresh:
+            shutil.rmtree(path, ignore_errors=True)
+        os.makedirs(path, exist_ok=True)
+        self.log = FileMessageLog(path)
+        self.committer = GroupCommitter(self.log)
+        return self.log.recover()
+
+    def _recover(self) -> QueueContents | None:
+        """A durable queue's master starts from its log: every message it ever
+        confirmed and did not see settled. They may have been delivered before
+        the restart, so they come back counted as delivered once."""
+        if not self.record.durable:
+            return None
+        contents = QueueContents()
+        for _, payload in self._open_log(fresh=False):
+            message = wire.message_from_proto(queue_replication_pb2.ReplicatedMessage.FromString(payload))
+            message.delivery_count = max(message.delivery_count, 1)
+            contents.apply(Enqueue(message))
+        if contents.messages:
+            log.info("queue %s: recovered %d messages from disk", self.record.name, len(contents.messages))
+        return contents
+
+    def _persist(self, step: Step) -> bool:
+        """Append the step's persistent changes to the log; True if there were any."""
+        if self.log is None:
+            return False
+        appended = False
+        for report in step.reports:
+            if isinstance(report, Enqueue) and report.message.persistent:
+                self.log.append_enqueue(report.message.id, wire.message_to_proto(report.message).SerializeToString())
+                appended = True
+            elif isinstance(report, Settle | Discard):
+                self.log.append_remove(report.ids)
+                appended = True
+        return appended
+
+    def _snapshot_to_new_log(self) -> None:
+        """A promoted mirror of a durable queue starts its own log with what it holds."""
+        if not self.record.durable or self.master is None:
+            return
+        self._open_log(fresh=True)
+        assert self.log is not None
+        messages = self.master.contents.messages
+        for message_id in sorted(messages):
+            message = messages[message_id]
+            if message.persistent:
+                self.log.append_enqueue(message_id, wire.message_to_proto(message).SerializeToString())
+        self.log.flush()
+
     # ---------------------------------------------------------------- start
 
     async def start(self) -> None:
+        if self.mirror is not None:
+            # A mirror starts empty, whatever the record remembers of an earlier life.
+            node = self.host.node_id
+
+            def unsynchronised(record: QueueRecord) -> QueueRecord | None:
+                if node not in record.synchronised_mirrors:
+                    return None
+                synced = tuple(m for m in record.synchronised_mirrors if m != node)
+                return _replace_record(record, synchronised_mirrors=synced)
+
+            await self._update(unsynchronised)
         member = self.host.new_member(self.record.gm_group, self._on_member_event)
         self.member = member
         joined = asyncio.ensure_future(member.joined.wait())
@@ -106,8 +186,8 @@ class QueueReplica:
         stopped.cancel()
         if not member.joined.is_set():
             raise ConnectionError(f"queue {self.record.name}: could not join its group")
-        if self.master is None:
-            self.mirror = QueueMirror(self.record.name, member.id)
+        if self.mirror is not None:
+            self.mirror.member = member.id
             self.status = "mirror"
             if self.record.policy_definition.get("ha-sync-mode", "manual") == "automatic":
                 self._say(self.mirror.request_sync())
@@ -120,6 +200,8 @@ class QueueReplica:
             consumer.deliveries.put_nowait(None)
         for task in self._tasks:
             task.cancel()
+        if self.log is not None:
+            self.log.close()
         if self.member is not None and self.member.stopped is None:
             self.member.leave()
             with contextlib.suppress(asyncio.TimeoutError):
@@ -217,11 +299,19 @@ class QueueReplica:
         previous = self._last_confirm
         confirmed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._last_confirm = confirmed
+        # Appended now, in decision order; made durable alongside the broadcast.
+        durable = (
+            asyncio.ensure_future(self.committer.commit())
+            if self._persist(step) and self.committer is not None
+            else None
+        )
         try:
             if step.reports:
                 await member.broadcast([wire.encode(r) for r in step.reports], confirmed=True)
             elif previous is not None:
                 await asyncio.shield(previous)  # nothing new: wait for what came before
+            if durable is not None:
+                await durable
         except BaseException as error:
             if not confirmed.done():
                 confirmed.set_exception(ConnectionAbortedError(f"queue {self.record.name}: {error!r}"))
@@ -372,6 +462,12 @@ class QueueReplica:
         mirror = self.mirror
         assert mirror is not None
         synced = mirror.synchronised
+        if not synced and not promote_unsynchronised:
+            # The record says synchronised, this replica knows better: never promote
+            # a replica that may lack messages unless the policy says always.
+            self.status = "unavailable: this mirror is not synchronised (ha-promote-on-failure is when-synced)"
+            log.warning("queue %s: %s", record.name, self.status)
+            return
 
         def promote(current: QueueRecord) -> QueueRecord | None:
             mirrors = tuple(m for m in current.mirrors if m != self.host.node_id and m not in dead_nodes)
@@ -382,6 +478,7 @@ class QueueReplica:
 
         self.master, step = mirror.promote(self.limits)
         self.mirror = None
+        await asyncio.to_thread(self._snapshot_to_new_log)
         self.status = "running" if synced else "running (promoted unsynchronised: messages may be lost)"
         log.info("queue %s: promoted on %s (%s)", record.name, self.host.node_id, self.status)
         await self._update(promote)

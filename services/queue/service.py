@@ -209,7 +209,11 @@ class QueueServicer(queue_pb2_grpc.QueueServiceServicer):
         if stub is not None:
             return await self._relay(context, stub.PurgeQueue(request), queue_pb2.PurgeQueueResponse)
         assert replica is not None
-        return queue_pb2.PurgeQueueResponse(messages_purged=await replica.purge())
+        try:
+            return queue_pb2.PurgeQueueResponse(messages_purged=await replica.purge())
+        except ConnectionAbortedError as error:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"the queue's master went away: {error}; retry")
+        raise AssertionError("unreachable")
 
     async def SyncQueue(self, request: queue_pb2.QueueRef, context: _Context) -> queue_pb2.QueueInfo:
         return await self._sync(request, context, start=True)
@@ -384,6 +388,8 @@ class QueueServicer(queue_pb2_grpc.QueueServiceServicer):
             await replica.settle(request.consumer_tag, request.delivery_tag, request.multiple, kind)
         except QueueError as error:
             await self._queue_error(context, error)
+        except ConnectionAbortedError as error:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"the queue's master went away: {error}; retry")
         return queue_pb2.SettleResponse()
 
     async def Get(self, request: queue_pb2.GetRequest, context: _Context) -> queue_pb2.GetResponse:
@@ -391,7 +397,10 @@ class QueueServicer(queue_pb2_grpc.QueueServiceServicer):
         if stub is not None:
             return await self._relay(context, stub.Get(request), queue_pb2.GetResponse)
         assert replica is not None
-        delivery = await replica.get(request.no_ack)
+        try:
+            delivery = await replica.get(request.no_ack)
+        except ConnectionAbortedError as error:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"the queue's master went away: {error}; retry")
         if delivery is None:
             return queue_pb2.GetResponse(found=False)
         return queue_pb2.GetResponse(found=True, delivery=_delivery(delivery))

@@ -1,11 +1,20 @@
-"""`ringqctl`: administer a ringq cluster through its coordinator.
+"""`ringqctl`: administer a ringq cluster through its coordinator and its nodes.
 
-    ringqctl [--coordinator HOST:PORT[,HOST:PORT...]] [--json] COMMAND ...
+    ringqctl [--coordinator HOST:PORT[,HOST:PORT...]] [--node HOST:PORT[,HOST:PORT...]] [--json] COMMAND ...
 
-Commands: cluster_status, set_policy, clear_policy, list_policies,
-list_queues, list_leases. Human tables by default, `--json` for scripts.
-Errors print one line with the gRPC status and message and exit 1; usage
-errors exit 2. With several coordinators, each is tried in turn.
+Coordinator commands: cluster_status, set_policy, clear_policy, list_policies,
+list_leases. Queue commands, sent to a broker node's QueueService (which
+forwards them to the queue's master): declare_queue, delete_queue,
+purge_queue, sync_queue, cancel_sync_queue. list_queues and list_consumers
+take the queues from the coordinator and their depth, consumers and status
+from a node.
+
+Human tables by default, `--json` for scripts (protobuf's JSON mapping, so
+64-bit counts are strings). Errors print one line with the gRPC status and
+message and exit 1; usage errors exit 2. With several coordinators, each is
+tried in turn; so are several nodes, on UNAVAILABLE. Nodes are those of
+`--node`, else $RINGQ_NODE, else the live nodes of the coordinator's
+ClusterStatus (the first one first).
 """
 
 from __future__ import annotations
@@ -15,21 +24,34 @@ import json
 import os
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any, NoReturn, TypeVar
 
 import grpc
 from google.protobuf import json_format
 
-from ringq.v1 import coordinator_pb2, coordinator_pb2_grpc
+from ringq.v1 import coordinator_pb2, coordinator_pb2_grpc, queue_pb2, queue_pb2_grpc
 
 DEFAULT_COORDINATOR = os.environ.get("RINGQ_COORDINATOR", "127.0.0.1:7000")
+NODE_ENV = "RINGQ_NODE"
 T = TypeVar("T")
+Req = TypeVar("Req")
+Resp = TypeVar("Resp")
 
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"ringqctl: error: {' '.join(message.split())}\n")
+
+
+class Failure(Exception):
+    """A failure found by ringqctl itself, reported like a gRPC status: `ringqctl: CODE: message`."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
 
 
 class Coordinators:
@@ -56,6 +78,112 @@ class Coordinators:
         raise last
 
 
+class Nodes:
+    """QueueService calls on broker nodes, each node tried in turn while the call fails with UNAVAILABLE.
+
+    `resolve` gives the addresses when first needed. A call that may be repeated safely (`idempotent`)
+    also moves on after DEADLINE_EXCEEDED, which is how an address that never answers shows up.
+    """
+
+    def __init__(self, resolve: Callable[[], list[str]], timeout: float = 5.0) -> None:
+        self._resolve = resolve
+        self._addresses: list[str] | None = None
+        self.timeout = timeout
+        self._channels: dict[str, grpc.Channel] = {}
+
+    @property
+    def addresses(self) -> list[str]:
+        if self._addresses is None:
+            self._addresses = self._resolve()
+        return self._addresses
+
+    def _stub(self, address: str) -> queue_pb2_grpc.QueueServiceStub:
+        if address not in self._channels:
+            self._channels[address] = grpc.insecure_channel(address)
+        return queue_pb2_grpc.QueueServiceStub(self._channels[address])
+
+    def call(
+        self,
+        method: Callable[[queue_pb2_grpc.QueueServiceStub], grpc.UnaryUnaryMultiCallable[Req, Resp]],
+        request: Req,
+        idempotent: bool = False,
+    ) -> Resp:
+        (outcome,) = self.call_each(method, [request], idempotent)
+        if isinstance(outcome, grpc.RpcError):
+            raise outcome
+        return outcome
+
+    def call_each(
+        self,
+        method: Callable[[queue_pb2_grpc.QueueServiceStub], grpc.UnaryUnaryMultiCallable[Req, Resp]],
+        requests: Sequence[Req],
+        idempotent: bool = False,
+    ) -> list[Resp | grpc.RpcError]:
+        """One call per request, all in flight at once; each outcome is the response or the last error."""
+        retry_on = {grpc.StatusCode.UNAVAILABLE}
+        if idempotent:
+            retry_on.add(grpc.StatusCode.DEADLINE_EXCEEDED)
+        outcomes: list[Resp | grpc.RpcError | None] = [None] * len(requests)
+        pending = list(range(len(requests)))
+        for address in self.addresses:
+            if not pending:
+                break
+            callable_ = method(self._stub(address))
+            futures = [(i, callable_.future(requests[i], timeout=self.timeout)) for i in pending]
+            pending = []
+            for i, future in futures:
+                try:
+                    outcomes[i] = future.result()
+                except grpc.RpcError as error:
+                    outcomes[i] = error
+                    if error.code() in retry_on:
+                        pending.append(i)
+        done: list[Resp | grpc.RpcError] = []
+        for outcome in outcomes:
+            assert outcome is not None
+            done.append(outcome)
+        return done
+
+    def close(self) -> None:
+        for channel in self._channels.values():
+            channel.close()
+        self._channels.clear()
+
+
+def _address_problem(address: str) -> str | None:
+    host, colon, port = address.rpartition(":")
+    if not colon or not host:
+        return f"{address!r} is not HOST:PORT"
+    if not port.isdigit() or not 1 <= int(port) <= 65535:
+        return f"{address!r}: the port must be a number from 1 to 65535"
+    return None
+
+
+def _split_addresses(text: str) -> list[str]:
+    return [a.strip() for a in text.split(",") if a.strip()]
+
+
+def _live_nodes(c: Coordinators) -> list[str]:
+    status = c.call(lambda s: s.ClusterStatus, coordinator_pb2.ClusterStatusRequest())
+    live = [n.address for n in status.nodes if n.alive and n.address]
+    if not live:
+        raise Failure(
+            grpc.StatusCode.UNAVAILABLE,
+            f"the coordinator knows no live node; give one with --node HOST:PORT or ${NODE_ENV}",
+        )
+    return live
+
+
+@contextmanager
+def _nodes(c: Coordinators, args: argparse.Namespace) -> Iterator[Nodes]:
+    given: list[str] = args.nodes
+    nodes = Nodes((lambda: list(given)) if given else (lambda: _live_nodes(c)), args.timeout)
+    try:
+        yield nodes
+    finally:
+        nodes.close()
+
+
 def _table(rows: list[list[str]], headers: list[str]) -> str:
     widths = [max(len(str(cell)) for cell in column) for column in zip(headers, *rows, strict=False)]
     lines = ["  ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True))]
@@ -69,12 +197,48 @@ def _as_json(message: Any) -> Any:
     )
 
 
+def _one_line(text: str | None) -> str:
+    return " ".join((text or "").split())
+
+
+def _error_text(error: grpc.RpcError) -> str:
+    return f"{error.code().name}: {_one_line(error.details())}"
+
+
 def _definition_text(definition_json: str) -> str:
     try:
         definition = json.loads(definition_json or "{}")
     except ValueError:
         return definition_json
     return " ".join(f"{k}={json.dumps(v, separators=(',', ':'))}" for k, v in sorted(definition.items()))
+
+
+def _names(names: Sequence[str]) -> str:
+    return ",".join(names) or "-"
+
+
+def _info_text(info: queue_pb2.QueueInfo) -> str:
+    """A QueueInfo as a two-column table."""
+    master = f"{info.master_node} ({info.master_address})" if info.master_address else info.master_node or "-"
+    rows = [
+        ["master", master],
+        ["mirrors", _names(info.mirrors)],
+        ["synchronised", _names(info.synchronised_mirrors)],
+        ["syncing", _names(info.syncing)],
+        ["depth", f"{info.depth} ({info.ready} ready, {info.unacked} unacked)"],
+        ["consumers", str(info.consumers)],
+        ["policy", info.policy or "-"],
+        ["status", info.status or "-"],
+    ]
+    width = max(len(key) for key, _ in rows)
+    return "\n".join(f"{key.ljust(width)}  {value}" for key, value in rows)
+
+
+def _queue_ref(args: argparse.Namespace) -> queue_pb2.QueueRef:
+    return queue_pb2.QueueRef(vhost=args.vhost, queue=args.name)
+
+
+# ------------------------------------------------------------------------------------ coordinator commands
 
 
 def cluster_status(c: Coordinators, args: argparse.Namespace) -> tuple[Any, str]:
@@ -126,22 +290,6 @@ def list_policies(c: Coordinators, args: argparse.Namespace) -> tuple[Any, str]:
     return _as_json(response), _table(rows, ["vhost", "name", "pattern", "apply-to", "priority", "definition"])
 
 
-def list_queues(c: Coordinators, args: argparse.Namespace) -> tuple[Any, str]:
-    response = c.call(lambda s: s.ListQueues, coordinator_pb2.ListQueuesRequest(vhost=args.vhost or ""))
-    rows = [
-        [
-            q.vhost,
-            q.name,
-            q.master,
-            ",".join(q.mirrors) or "-",
-            ",".join(q.synchronised_mirrors) or "-",
-            q.policy or "-",
-        ]
-        for q in response.queues
-    ]
-    return _as_json(response), _table(rows, ["vhost", "name", "master", "mirrors", "synchronised", "policy"])
-
-
 def list_leases(c: Coordinators, args: argparse.Namespace) -> tuple[Any, str]:
     response = c.call(lambda s: s.ListLeases, coordinator_pb2.ListLeasesRequest())
     now = time.time() * 1000
@@ -157,12 +305,163 @@ def list_leases(c: Coordinators, args: argparse.Namespace) -> tuple[Any, str]:
     return _as_json(response), _table(rows, ["name", "holder", "token", "expires in"])
 
 
+# ------------------------------------------------------------------------------------------ queue listings
+
+
+def _statuses(
+    c: Coordinators, args: argparse.Namespace, queues: Sequence[coordinator_pb2.QueueRecord]
+) -> list[queue_pb2.QueueInfo | str]:
+    """QueueStatus of each queue from a node: the QueueInfo, or the error as "CODE: message"."""
+    if not queues:
+        return []
+    with _nodes(c, args) as nodes:
+        try:
+            outcomes = nodes.call_each(
+                lambda s: s.QueueStatus,
+                [queue_pb2.QueueRef(vhost=q.vhost, queue=q.name) for q in queues],
+                idempotent=True,
+            )
+        except Failure as failure:  # no node to ask
+            return [f"{failure.code.name}: {_one_line(failure.message)}"] * len(queues)
+        except grpc.RpcError as error:  # the coordinator did not say which nodes are live
+            return [_error_text(error)] * len(queues)
+    return [_error_text(o) if isinstance(o, grpc.RpcError) else o for o in outcomes]
+
+
+def _warn_unanswered(statuses: Sequence[queue_pb2.QueueInfo | str]) -> None:
+    errors = [s for s in statuses if isinstance(s, str)]
+    if errors:
+        print(
+            f"ringqctl: warning: no status for {len(errors)} of {len(statuses)} queue(s) (shown as -): {errors[0]}",
+            file=sys.stderr,
+        )
+
+
+_STATUS_FIELDS = ("depth", "ready", "unacked", "consumers", "syncing", "status")
+
+
+def list_queues(c: Coordinators, args: argparse.Namespace) -> tuple[Any, str]:
+    response = c.call(lambda s: s.ListQueues, coordinator_pb2.ListQueuesRequest(vhost=args.vhost or ""))
+    statuses = _statuses(c, args, response.queues)
+    rows = []
+    entries = []
+    for q, info in zip(response.queues, statuses, strict=True):
+        entry = _as_json(q)
+        if isinstance(info, str):
+            entry.update(dict.fromkeys(_STATUS_FIELDS), status_error=info)
+            counts = ["-", "-", "-", "-"]
+        else:
+            shown = _as_json(info)
+            entry.update({key: shown[key] for key in _STATUS_FIELDS}, status_error=None)
+            counts = [str(info.depth), str(info.unacked), str(info.consumers), info.status or "-"]
+        entries.append(entry)
+        names = [q.vhost, q.name, q.master, _names(q.mirrors), _names(q.synchronised_mirrors), q.policy or "-"]
+        rows.append([*names, *counts])
+    _warn_unanswered(statuses)
+    headers = [
+        "vhost",
+        "name",
+        "master",
+        "mirrors",
+        "synchronised",
+        "policy",
+        "depth",
+        "unacked",
+        "consumers",
+        "status",
+    ]
+    return {"queues": entries}, _table(rows, headers)
+
+
+def list_consumers(c: Coordinators, args: argparse.Namespace) -> tuple[Any, str]:
+    response = c.call(lambda s: s.ListQueues, coordinator_pb2.ListQueuesRequest(vhost=args.vhost or ""))
+    statuses = _statuses(c, args, response.queues)
+    entries: list[dict[str, Any]] = []
+    for q, info in zip(response.queues, statuses, strict=True):
+        entries.append(
+            {
+                "vhost": q.vhost,
+                "queue": q.name,
+                "consumers": None if isinstance(info, str) else info.consumers,
+                "status_error": info if isinstance(info, str) else None,
+            }
+        )
+    _warn_unanswered(statuses)
+    rows = [[e["vhost"], e["queue"], "-" if e["consumers"] is None else str(e["consumers"])] for e in entries]
+    return {"queues": entries}, _table(rows, ["vhost", "queue", "consumers"])
+
+
+# ------------------------------------------------------------------------------------------ queue commands
+
+
+def declare_queue(c: Coordinators, args: argparse.Namespace) -> tuple[Any, str]:
+    request = queue_pb2.QueueDeclareRequest(
+        queue=_queue_ref(args), durable=args.durable, auto_delete=args.auto_delete, arguments=dict(args.arguments)
+    )
+    with _nodes(c, args) as nodes:
+        info = nodes.call(lambda s: s.DeclareQueue, request, idempotent=True)
+    return _as_json(info), f"queue {args.name!r} declared in vhost {args.vhost!r}\n{_info_text(info)}"
+
+
+def delete_queue(c: Coordinators, args: argparse.Namespace) -> tuple[Any, str]:
+    request = queue_pb2.QueueDeleteRequest(queue=_queue_ref(args), if_unused=args.if_unused, if_empty=args.if_empty)
+    with _nodes(c, args) as nodes:
+        response = nodes.call(lambda s: s.DeleteQueue, request)
+    text = f"queue {args.name!r} deleted from vhost {args.vhost!r}; {response.messages_deleted} message(s) deleted"
+    return _as_json(response), text
+
+
+def purge_queue(c: Coordinators, args: argparse.Namespace) -> tuple[Any, str]:
+    with _nodes(c, args) as nodes:
+        response = nodes.call(lambda s: s.PurgeQueue, _queue_ref(args))
+    text = f"queue {args.name!r} in vhost {args.vhost!r} purged; {response.messages_purged} message(s) removed"
+    return _as_json(response), text
+
+
+def sync_queue(c: Coordinators, args: argparse.Namespace) -> tuple[Any, str]:
+    with _nodes(c, args) as nodes:
+        info = nodes.call(lambda s: s.SyncQueue, _queue_ref(args), idempotent=True)
+    unsynchronised = [m for m in info.mirrors if m not in info.synchronised_mirrors]
+    if unsynchronised:
+        head = f"sync of queue {args.name!r} in vhost {args.vhost!r} started for {', '.join(unsynchronised)}"
+    else:
+        head = f"queue {args.name!r} in vhost {args.vhost!r} has no unsynchronised mirror: nothing to sync"
+    return _as_json(info), f"{head}\n{_info_text(info)}"
+
+
+def cancel_sync_queue(c: Coordinators, args: argparse.Namespace) -> tuple[Any, str]:
+    with _nodes(c, args) as nodes:
+        info = nodes.call(lambda s: s.CancelSyncQueue, _queue_ref(args), idempotent=True)
+    return _as_json(info), f"sync of queue {args.name!r} in vhost {args.vhost!r} cancelled\n{_info_text(info)}"
+
+
+# ------------------------------------------------------------------------------------------ command line
+
+
+def _queue_argument(text: str) -> tuple[str, str]:
+    """KEY=JSON for --argument: the key and the JSON text, as given."""
+    key, equals, value = text.partition("=")
+    if not equals or not key.strip():
+        raise argparse.ArgumentTypeError(f"{text!r} is not KEY=JSON")
+    try:
+        json.loads(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: the value of {key!r} is not JSON") from None
+    return key.strip(), value
+
+
 def parser() -> argparse.ArgumentParser:
     out = _Parser(prog="ringqctl", description="Administer a ringq cluster.", allow_abbrev=False)
     out.add_argument(
         "--coordinator",
         default=DEFAULT_COORDINATOR,
         help="HOST:PORT of coordinators, comma-separated (default $RINGQ_COORDINATOR or 127.0.0.1:7000)",
+    )
+    out.add_argument(
+        "--node",
+        default=None,
+        help=f"HOST:PORT of broker nodes for queue commands, comma-separated, tried in turn "
+        f"(default ${NODE_ENV}, else the live nodes of the coordinator's cluster status)",
     )
     out.add_argument("--json", action="store_true", help="print JSON instead of a table")
     out.add_argument("--timeout", type=float, default=5.0, help="seconds per call (default 5)")
@@ -186,21 +485,71 @@ def parser() -> argparse.ArgumentParser:
     sub.add_argument("name")
     for name, run, text in (
         ("list_policies", list_policies, "list policies"),
-        ("list_queues", list_queues, "list queues: master, mirrors, synchronised mirrors, policy"),
+        (
+            "list_queues",
+            list_queues,
+            "list queues: master, mirrors, synchronised mirrors, policy; depth, unacked, consumers, status from a node",
+        ),
+        ("list_consumers", list_consumers, "list queues with their number of consumers (from a node)"),
     ):
         sub = command(name, run, text)
         sub.add_argument("-p", "--vhost", default="", help="only this vhost")
     command("list_leases", list_leases, "list leases: holder, fencing token, expiry")
+
+    def queue_command(name: str, run: Callable[[Coordinators, argparse.Namespace], tuple[Any, str]], text: str) -> Any:
+        sub = command(name, run, text)
+        sub.add_argument("-p", "--vhost", default="/", help="vhost (default /)")
+        sub.add_argument("name", help="queue name")
+        return sub
+
+    sub = queue_command("declare_queue", declare_queue, "declare a queue (placed by its policy), or check it exists")
+    sub.add_argument("--durable", action="store_true", help="survives a restart of every node")
+    sub.add_argument("--auto-delete", action="store_true", help="deleted with its last consumer")
+    sub.add_argument(
+        "--argument",
+        dest="arguments",
+        metavar="KEY=JSON",
+        type=_queue_argument,
+        action="append",
+        default=[],
+        help="a queue argument, e.g. x-max-length=10 (repeatable)",
+    )
+    sub = queue_command("delete_queue", delete_queue, "delete a queue and its messages")
+    sub.add_argument("--if-unused", action="store_true", help="refuse if it has consumers")
+    sub.add_argument("--if-empty", action="store_true", help="refuse if it holds messages")
+    queue_command("purge_queue", purge_queue, "remove every ready message of a queue")
+    queue_command("sync_queue", sync_queue, "start syncing a queue's unsynchronised mirrors")
+    queue_command("cancel_sync_queue", cancel_sync_queue, "stop syncing a queue's mirrors")
     return out
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parser().parse_args(argv)
-    coordinators = Coordinators([a.strip() for a in args.coordinator.split(",") if a.strip()], args.timeout)
+    cli = parser()
+    args = cli.parse_args(argv)
+    if args.node is not None:
+        args.nodes, where = _split_addresses(args.node), "argument --node"
+        if not args.nodes:
+            cli.error(f"{where}: expected HOST:PORT[,HOST:PORT...]")
+    else:
+        args.nodes, where = _split_addresses(os.environ.get(NODE_ENV, "")), f"${NODE_ENV}"
+    for address in args.nodes:
+        problem = _address_problem(address)
+        if problem is not None:
+            cli.error(f"{where}: {problem}")
+    keys = [key for key, _ in getattr(args, "arguments", [])]
+    repeated = sorted({key for key in keys if keys.count(key) > 1})
+    if repeated:
+        cli.error(f"argument --argument: {', '.join(map(repr, repeated))} given more than once")
+    coordinators = Coordinators(_split_addresses(args.coordinator), args.timeout)
+    if not coordinators.addresses:
+        cli.error("argument --coordinator: expected HOST:PORT[,HOST:PORT...]")
     try:
         as_json, text = args.run(coordinators, args)
     except grpc.RpcError as error:
-        print(f"ringqctl: {error.code().name}: {error.details()}", file=sys.stderr)
+        print(f"ringqctl: {_error_text(error)}", file=sys.stderr)
+        return 1
+    except Failure as failure:
+        print(f"ringqctl: {failure.code.name}: {_one_line(failure.message)}", file=sys.stderr)
         return 1
     print(json.dumps(as_json, indent=2, sort_keys=True) if args.json else text)
     return 0

@@ -79,8 +79,16 @@ class QueueClient:
         info: queue_pb2.QueueInfo = await self.call("QueueStatus", self.ref(queue))
         return info
 
-    def publisher(self, queue: str, publisher_id: str | None = None, window: int = 1000, batch: int = 100) -> Publisher:
-        return Publisher(self, queue, publisher_id or uuid.uuid4().hex, window, batch)
+    def publisher(
+        self,
+        queue: str,
+        publisher_id: str | None = None,
+        window: int = 1000,
+        batch: int = 100,
+        persistent: bool = False,
+    ) -> Publisher:
+        """A publisher; `persistent` messages of durable queues are on disk when confirmed."""
+        return Publisher(self, queue, publisher_id or uuid.uuid4().hex, window, batch, persistent)
 
     async def consume(
         self, queue: str, prefetch: int = 100, resume: bool = True
@@ -132,8 +140,11 @@ class QueueClient:
 class Publisher:
     """Publishes to one queue with confirms, an idempotent id and a bounded window."""
 
-    def __init__(self, client: QueueClient, queue: str, publisher_id: str, window: int, batch: int) -> None:
+    def __init__(
+        self, client: QueueClient, queue: str, publisher_id: str, window: int, batch: int, persistent: bool = False
+    ) -> None:
         self.client = client
+        self.persistent = persistent
         self.queue = queue
         self.publisher_id = publisher_id
         self.window = window
@@ -173,7 +184,9 @@ class Publisher:
             for start in range(0, len(pending), self.batch):
                 seqs = pending[start : start + self.batch]
                 await in_flight.put(len(seqs))
-                messages = [queue_pb2.OutgoingMessage(body=self.unconfirmed[s], seq=s) for s in seqs]
+                messages = [
+                    queue_pb2.OutgoingMessage(body=self.unconfirmed[s], seq=s, persistent=self.persistent) for s in seqs
+                ]
                 await call.write(
                     queue_pb2.PublishRequest(
                         queue=self.client.ref(self.queue), publisher=self.publisher_id, messages=messages
