@@ -1,0 +1,117 @@
+"""Integration: what a master's death does to a queue whose mirrors are not synchronised.
+
+Messages published while the queue had no mirror; then a policy adds mirrors
+with manual sync, so they join empty and stay unsynchronised. Kill the master:
+- ha-promote-on-failure when-synced (the default): no mirror is promoted, the
+  queue answers UNAVAILABLE, and when the master's node comes back its durable
+  messages are all there: nothing lost.
+- always: the eldest mirror is promoted, the queue serves again at once, and
+  the loss is reported in the queue's status.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+
+from ringq.queue import QueueClient
+from ringq.v1 import coordinator_pb2, coordinator_pb2_grpc
+from services import cluster
+from tests.test_integration_queue import NODE_ARGS
+
+pytestmark = pytest.mark.integration
+MESSAGES = 500
+
+
+async def _policy(info: cluster.ClusterInfo, definition: dict[str, object]) -> None:
+    policy = coordinator_pb2.Policy(vhost="/", name="ha", pattern="^ha\\.", definition_json=json.dumps(definition))
+    async with grpc.aio.insecure_channel(info.coordinator.address) as channel:
+        await coordinator_pb2_grpc.CoordinatorServiceStub(channel).SetPolicy(
+            coordinator_pb2.SetPolicyRequest(policy=policy)
+        )
+
+
+async def _unsynchronised_mirrors(directory: Path, promote: str) -> tuple[cluster.ClusterInfo, QueueClient]:
+    info = cluster.up(3, directory, node_args=NODE_ARGS)
+    await _policy(info, {"ha-mode": "exactly", "ha-params": 1})  # master only
+    await asyncio.sleep(2.0)  # nodes' heartbeats: all live
+    by_name = {n.name: n.address for n in info.nodes}
+    client = QueueClient([by_name["node1"], by_name["node2"], by_name["node3"]])
+    await client.declare("ha.q", durable=True)
+    await client.publisher("ha.q", persistent=True).publish([b"%d" % i for i in range(MESSAGES)])
+    await _policy(info, {"ha-mode": "all", "ha-sync-mode": "manual", "ha-promote-on-failure": promote})
+    deadline = time.monotonic() + 20
+    while len((status := await client.status("ha.q")).mirrors) < 2:
+        assert time.monotonic() < deadline, "mirrors were not added"
+        await asyncio.sleep(0.1)
+    await asyncio.sleep(1.5)  # the mirrors joined; the master's depth reports show them behind
+    status = await client.status("ha.q")
+    assert list(status.synchronised_mirrors) == [], "mirrors that joined empty must not count as synchronised"
+    return info, client
+
+
+async def _when_synced(directory: Path) -> None:
+    info, client = await _unsynchronised_mirrors(directory, "when-synced")
+    cluster.kill(directory, "node1", signal.SIGKILL)
+    await asyncio.sleep(3.0)  # well past the failure timeout
+    stub = QueueClient([n.address for n in info.nodes if n.name != "node1"])
+    try:
+        await stub.call("QueueStatus", stub.ref("ha.q"), attempts=1)
+        raise AssertionError("the queue answered without a master")
+    except grpc.aio.AioRpcError as error:
+        assert error.code() == grpc.StatusCode.UNAVAILABLE, error
+    cluster.start_node(directory, "node1")
+    restarted = QueueClient([n.address for n in cluster.load(directory).nodes])
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            status = await restarted.status("ha.q")
+            if status.master_node == "node1" and status.depth:
+                break
+        except grpc.aio.AioRpcError:
+            pass
+        assert time.monotonic() < deadline, "the master did not come back"
+        await asyncio.sleep(0.2)
+    assert status.depth == MESSAGES, f"{MESSAGES - status.depth} messages lost"
+    for c in (client, stub, restarted):
+        await c.close()
+
+
+async def _always(directory: Path) -> None:
+    info, client = await _unsynchronised_mirrors(directory, "always")
+    cluster.kill(directory, "node1", signal.SIGKILL)
+    survivors = QueueClient([n.address for n in info.nodes if n.name != "node1"])
+    deadline = time.monotonic() + 20
+    while True:
+        try:
+            status = await survivors.status("ha.q")
+            if status.master_node != "node1":
+                break
+        except grpc.aio.AioRpcError:
+            pass
+        assert time.monotonic() < deadline, "no mirror was promoted"
+        await asyncio.sleep(0.1)
+    assert status.master_node == "node2", "the eldest mirror is promoted"
+    assert status.depth < MESSAGES and "may be lost" in status.status, (status.depth, status.status)
+    for c in (client, survivors):
+        await c.close()
+
+
+def test_an_unsynchronised_mirror_is_not_promoted_under_when_synced(tmp_path: Path) -> None:
+    try:
+        asyncio.run(asyncio.wait_for(_when_synced(tmp_path / "cluster"), 120))
+    finally:
+        cluster.down(tmp_path / "cluster")
+
+
+def test_an_unsynchronised_mirror_is_promoted_under_always_and_the_loss_is_reported(tmp_path: Path) -> None:
+    try:
+        asyncio.run(asyncio.wait_for(_always(tmp_path / "cluster"), 120))
+    finally:
+        cluster.down(tmp_path / "cluster")
