@@ -123,7 +123,7 @@ def test_a_poison_message_goes_to_its_dead_letter_queue_after_the_delivery_limit
 def test_single_active_consumer(nodes: list[str]) -> None:
     async def scenario() -> None:
         client = QueueClient(nodes)
-        await client.declare("sac.q", **{"x-single-active-consumer": "true"})
+        await client.declare("sac.q", arguments={"x-single-active-consumer": "true"})
         first = client.consume("sac.q", prefetch=10, resume=False)
         second = client.consume("sac.q", prefetch=10, resume=False)
         first_task = asyncio.ensure_future(anext(first))

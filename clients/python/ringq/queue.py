@@ -70,8 +70,11 @@ class QueueClient:
                 await asyncio.sleep(min(0.05 * (attempt + 1), 0.5))
         raise AssertionError("unreachable")
 
-    async def declare(self, queue: str, durable: bool = False, **arguments: str) -> queue_pb2.QueueInfo:
-        request = queue_pb2.QueueDeclareRequest(queue=self.ref(queue), durable=durable, arguments=arguments)
+    async def declare(
+        self, queue: str, durable: bool = False, arguments: dict[str, str] | None = None
+    ) -> queue_pb2.QueueInfo:
+        """Declare `queue`; `arguments` values are JSON texts (e.g. {"x-single-active-consumer": "true"})."""
+        request = queue_pb2.QueueDeclareRequest(queue=self.ref(queue), durable=durable, arguments=arguments or {})
         info: queue_pb2.QueueInfo = await self.call("DeclareQueue", request)
         return info
 
