@@ -21,7 +21,7 @@ import grpc
 import pytest
 
 from ringq.queue import QueueClient
-from ringq.v1 import coordinator_pb2, coordinator_pb2_grpc
+from ringq.v1 import coordinator_pb2, coordinator_pb2_grpc, queue_pb2
 from services import cluster
 from tests.test_integration_queue import NODE_ARGS
 
@@ -66,6 +66,17 @@ async def _when_synced(directory: Path) -> None:
         raise AssertionError("the queue answered without a master")
     except grpc.aio.AioRpcError as error:
         assert error.code() == grpc.StatusCode.UNAVAILABLE, error
+    call = stub.stub().Publish()  # a publish while the queue has no master: retry later, nothing taken
+    await call.write(
+        queue_pb2.PublishRequest(
+            queue=stub.ref("ha.q"), publisher="late", messages=[queue_pb2.OutgoingMessage(body=b"x", seq=1)]
+        )
+    )
+    try:
+        await call.read()
+        raise AssertionError("a publish was answered without a master")
+    except grpc.aio.AioRpcError as error:
+        assert error.code() == grpc.StatusCode.UNAVAILABLE and "retry" in (error.details() or ""), error
     cluster.start_node(directory, "node1")
     restarted = QueueClient([n.address for n in cluster.load(directory).nodes])
     deadline = time.monotonic() + 30

@@ -332,7 +332,9 @@ class QueueServicer(queue_pb2_grpc.QueueServiceServicer):
                 code = error.code() if isinstance(error, grpc.aio.AioRpcError) else grpc.StatusCode.UNAVAILABLE
                 if code not in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND):
                     code = grpc.StatusCode.UNAVAILABLE  # the master's node failed us: retry elsewhere
-                raise Refused(code, f"forwarding to the queue's master failed: {error!r}") from None
+                raise Refused(
+                    code, f"the queue's master cannot be reached now (it may be moving); retry: {error!r}"
+                ) from None
         if response is grpc.aio.EOF:  # type: ignore[attr-defined]
             raise Refused(grpc.StatusCode.UNAVAILABLE, "the queue's master closed the stream; retry")
         return response  # type: ignore[no-any-return]
