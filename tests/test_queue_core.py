@@ -9,7 +9,7 @@ import pytest
 
 from services.queue.master import GET_CONSUMER, Publish, PublishOutcome, QueueError, QueueLimits, QueueMaster, Step
 from services.queue.mirror import QueueMirror
-from services.queue.ops import Report, Synchronised
+from services.queue.ops import Desynchronised, Report, Synchronised, SyncRequest
 
 
 def bodies(step: Step) -> list[bytes]:
@@ -295,3 +295,21 @@ def test_a_message_arriving_after_a_later_one_of_its_publisher_is_not_taken_for_
     assert outcomes == [PublishOutcome.ACCEPTED, PublishOutcome.ACCEPTED, PublishOutcome.DUPLICATE]
     seen = q.mirrors[0].contents.publishers["p"]
     assert (seen.through, seen.above) == (3, set()), "mirrors track the same seqs"
+
+
+def test_a_mirror_that_failed_an_operation_drops_out_and_resyncs() -> None:
+    """The inconsistent-error rule (seed 002): an operation that succeeded on the
+    master failed on a mirror (here: one report it never applied)."""
+    q = Replicated(mirrors=1)
+    q.feed(publish(q.master, b"1", b"2"))
+    q.feed(q.master.depth_report())
+    mirror = q.mirrors[0]
+    assert mirror.synchronised
+    lost = q.master.publish([Publish(b"3")], 0)[0]  # applied by the master, not by the mirror
+    said = mirror.apply(q.master.depth_report().reports[0])
+    assert said == [Desynchronised("m0"), SyncRequest("m0", 0)] and not mirror.synchronised
+    assert lost.reports, "the master went on"
+    q.master.start_sync("m0", 0)
+    while "m0" in q.master.syncing:
+        q.feed(q.master.sync_next("m0", batch=2))
+    assert mirror.synchronised and same(q.master, mirror)

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from services.queue.contents import QueueContents
 from services.queue.master import QueueLimits, QueueMaster, Step
-from services.queue.ops import Depth, MirrorSays, Report, Requeue, SyncDone, Synchronised, SyncRequest
+from services.queue.ops import Depth, Desynchronised, MirrorSays, Report, Requeue, SyncDone, Synchronised, SyncRequest
 
 
 class QueueMirror:
@@ -43,7 +43,12 @@ class QueueMirror:
                 self.sync_requested = False
                 return [Synchronised(self.member)]
             if not in_sync and self.synchronised:
-                self.synchronised = False  # lost a message somehow: re-sync
+                # The inconsistent-error rule: something failed here that did not
+                # fail on the master. Start over from nothing and re-sync fully.
+                self.synchronised = False
+                self.contents = QueueContents()
+                self.sync_requested = True
+                return [Desynchronised(self.member), SyncRequest(self.member, 0)]
         elif isinstance(report, SyncDone) and report.target == self.member:
             self.sync_requested = False
         return []

@@ -123,4 +123,14 @@ class Synchronised:
 
 
 Report = Enqueue | Deliver | Settle | Requeue | Discard | Depth | SyncBatch | SyncDone
-MirrorSays = SyncRequest | Synchronised
+
+
+@dataclass(frozen=True, slots=True)
+class Desynchronised:
+    """A mirror that was synchronised found it differs from the master (an
+    operation failed on it, e.g. its disk): it starts over and re-syncs."""
+
+    member: str
+
+
+MirrorSays = SyncRequest | Synchronised | Desynchronised

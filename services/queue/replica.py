@@ -24,6 +24,7 @@ import logging
 import os
 import shutil
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -39,7 +40,7 @@ from services.queue.group_commit import GroupCommitter
 from services.queue.master import Delivery, Publish, PublishOutcome, QueueError, QueueLimits, QueueMaster, Step
 from services.queue.message_log import FileMessageLog
 from services.queue.mirror import QueueMirror
-from services.queue.ops import Discard, Enqueue, Settle, Synchronised, SyncRequest
+from services.queue.ops import Desynchronised, Discard, Enqueue, Settle, Synchronised, SyncRequest
 
 log = logging.getLogger("ringq.queue")
 DEPTH_REPORT_SECONDS = 1.0
@@ -101,6 +102,8 @@ class QueueReplica:
         self.members: set[str] = set()
         self.consumers: dict[str, Consumer] = {}
         self.status = "starting"
+        # Recent noteworthy events (an inconsistent mirror, ...), newest last.
+        self.events: deque[str] = deque(maxlen=10)
         self._last_confirm: asyncio.Future[None] | None = None
         self._tasks: set[asyncio.Future[None]] = set()
         self._stopped = asyncio.Event()
@@ -350,8 +353,10 @@ class QueueReplica:
     async def _depth_reports(self) -> None:
         while True:
             await asyncio.sleep(DEPTH_REPORT_SECONDS)
+            # Always: a synchronised mirror that diverged (a failed operation on
+            # it) finds out at the next depth report and re-syncs.
             master = self.master
-            if master is not None and set(self.record.mirrors) - set(self.record.synchronised_mirrors):
+            if master is not None and self.record.mirrors:
                 await self._carry_out(master.depth_report())
 
     async def _sync(self, target: str) -> None:
@@ -385,7 +390,7 @@ class QueueReplica:
         except ValueError as error:
             log.warning("queue %s: dropping a malformed report from %s: %s", self.record.name, publisher, error)
             return
-        if isinstance(report, SyncRequest | Synchronised):
+        if isinstance(report, SyncRequest | Synchronised | Desynchronised):
             if self.master is not None:
                 self._from_mirror(report)
             return
@@ -397,7 +402,7 @@ class QueueReplica:
         elif self.master is None:
             log.warning("queue %s: a %s came before this replica was ready", self.record.name, type(report).__name__)
 
-    def _from_mirror(self, said: SyncRequest | Synchronised) -> None:
+    def _from_mirror(self, said: SyncRequest | Synchronised | Desynchronised) -> None:
         master = self.master
         assert master is not None
         if isinstance(said, SyncRequest):
@@ -405,6 +410,19 @@ class QueueReplica:
             self._spawn(self._sync(said.member))
             return
         node = node_of(said.member)
+        if isinstance(said, Desynchronised):
+            event = f"mirror on {node} was inconsistent and is re-syncing"
+            log.warning("queue %s: %s", self.record.name, event)
+            self.events.append(event)
+
+            def unmark(record: QueueRecord) -> QueueRecord | None:
+                if node not in record.synchronised_mirrors:
+                    return None
+                synced = tuple(m for m in record.synchronised_mirrors if m != node)
+                return _replace_record(record, synchronised_mirrors=synced)
+
+            self._spawn(self._update(unmark))
+            return
 
         def mark(record: QueueRecord) -> QueueRecord | None:
             if node not in record.mirrors or node in record.synchronised_mirrors:
@@ -413,7 +431,7 @@ class QueueReplica:
 
         self._spawn(self._update(mark))
 
-    def _say(self, said: SyncRequest | Synchronised) -> None:
+    def _say(self, said: SyncRequest | Synchronised | Desynchronised) -> None:
         member = self.member
         if member is not None and member.stopped is None:
             self._spawn(_quietly(member.broadcast([wire.encode(said)], confirmed=False)))

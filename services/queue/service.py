@@ -149,7 +149,7 @@ class QueueServicer(queue_pb2_grpc.QueueServiceServicer):
             consumers=len(master.consumer_tags) if master else 0,
             policy=record.policy,
             syncing=master.syncing if master else [],
-            status=replica.status,
+            status="; ".join([replica.status, *replica.events]),
         )
 
     # -------------------------------------------------------------- wiring

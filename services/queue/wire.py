@@ -13,6 +13,7 @@ from ringq.v1 import queue_replication_pb2 as pb
 from services.queue.ops import (
     Deliver,
     Depth,
+    Desynchronised,
     Discard,
     Enqueue,
     Message,
@@ -83,6 +84,8 @@ def encode(report: AnyReport) -> bytes:
     elif isinstance(report, SyncRequest):
         out.sync_request.member = report.member
         out.sync_request.below_id = report.below_id
+    elif isinstance(report, Desynchronised):
+        out.desynchronised = report.member
     else:
         out.synchronised = report.member
     return out.SerializeToString()
@@ -117,4 +120,6 @@ def decode(data: bytes) -> AnyReport:
         return SyncRequest(report.sync_request.member, report.sync_request.below_id)
     if kind == "synchronised":
         return Synchronised(report.synchronised)
+    if kind == "desynchronised":
+        return Desynchronised(report.desynchronised)
     raise ValueError("queue report without a kind")
