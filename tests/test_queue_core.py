@@ -9,7 +9,7 @@ import pytest
 
 from services.queue.master import GET_CONSUMER, Publish, PublishOutcome, QueueError, QueueLimits, QueueMaster, Step
 from services.queue.mirror import QueueMirror
-from services.queue.ops import Desynchronised, Report, Synchronised, SyncRequest
+from services.queue.ops import Depth, Desynchronised, Report, Synchronised, SyncRequest
 
 
 def bodies(step: Step) -> list[bytes]:
@@ -313,3 +313,12 @@ def test_a_mirror_that_failed_an_operation_drops_out_and_resyncs() -> None:
     while "m0" in q.master.syncing:
         q.feed(q.master.sync_next("m0", batch=2))
     assert mirror.synchronised and same(q.master, mirror)
+
+
+def test_a_mirror_announces_itself_synchronised_only_once_it_knows_its_member_id() -> None:
+    """Found by the benchmark: a depth report applied before the mirror's GM
+    member had joined made it announce Synchronised('') and never again."""
+    mirror = QueueMirror("q", "")
+    assert mirror.apply(Depth(0)) == [] and not mirror.synchronised
+    mirror.member = "m1"
+    assert mirror.apply(Depth(0)) == [Synchronised("m1")] and mirror.synchronised

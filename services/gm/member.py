@@ -15,7 +15,7 @@ import asyncio
 import logging
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -114,6 +114,11 @@ class MemberShell:
 
     async def broadcast(self, bodies: list[bytes], confirmed: bool) -> tuple[int, int]:
         """Broadcast `bodies`; with `confirmed`, wait until every live member delivered them."""
+        return await self.broadcast_now(bodies, confirmed)
+
+    def broadcast_now(self, bodies: list[bytes], confirmed: bool) -> Awaitable[tuple[int, int]]:
+        """Queue the broadcast now, so broadcasts keep the order of these calls
+        whoever awaits them when; the result completes as `broadcast` does."""
         if self.stopped is not None:
             raise ConnectionAbortedError(f"member {self.id} stopped: {self.stopped.reason}")
         result: asyncio.Future[tuple[int, list[Action]]] = asyncio.get_running_loop().create_future()
@@ -126,8 +131,13 @@ class MemberShell:
             return actions
 
         self.post(self._guard(step, result))
+        return self._broadcast_done(result, len(bodies), confirmed)
+
+    async def _broadcast_done(
+        self, result: asyncio.Future[tuple[int, list[Action]]], count: int, confirmed: bool
+    ) -> tuple[int, int]:
         first, _ = await result
-        last = first + len(bodies) - 1
+        last = first + count - 1
         if confirmed and last > self._confirmed_through:
             waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
             self._confirms.append((last, waiter))

@@ -38,6 +38,8 @@ class QueueMirror:
         self.contents.apply(report)
         if isinstance(report, Depth):
             in_sync = self.contents.depth == report.depth
+            if not self.member:
+                return []  # not joined yet: its announcement would name nobody; the next report counts
             if in_sync and not self.synchronised:
                 self.synchronised = True
                 self.sync_requested = False

@@ -231,9 +231,10 @@ class QueueReplica:
         (a publisher's seqs must not overtake each other); the future completes
         once the replicas hold them."""
         step, outcomes = self._require_master().publish(items, now_ms())
+        done = self._carry_out(step)  # broadcast queued now, in decision order
 
         async def confirmed() -> list[PublishOutcome]:
-            await self._carry_out(step)
+            await done
             return outcomes
 
         return asyncio.ensure_future(confirmed())
@@ -295,8 +296,10 @@ class QueueReplica:
 
     # --------------------------------------------------- master: carrying out
 
-    async def _carry_out(self, step: Step) -> None:
-        """Broadcast the step's reports with confirmation, then act on it."""
+    def _carry_out(self, step: Step) -> Awaitable[None]:
+        """Queue the step's reports for broadcast now, in the order steps are
+        decided (mirrors must apply them in that order), and return what
+        completes the step: waiting for the ring's confirmation, then acting."""
         member = self.member
         assert member is not None
         previous = self._last_confirm
@@ -308,9 +311,29 @@ class QueueReplica:
             if self._persist(step) and self.committer is not None
             else None
         )
+        sent: Awaitable[tuple[int, int]] | None = None
+        failure: Exception | None = None
+        if step.reports:
+            try:
+                sent = member.broadcast_now([wire.encode(r) for r in step.reports], confirmed=True)
+            except ConnectionAbortedError as error:
+                failure = error
+        return self._complete(step, previous, confirmed, durable, sent, failure)
+
+    async def _complete(
+        self,
+        step: Step,
+        previous: asyncio.Future[None] | None,
+        confirmed: asyncio.Future[None],
+        durable: asyncio.Future[None] | None,
+        sent: Awaitable[tuple[int, int]] | None,
+        failure: Exception | None,
+    ) -> None:
         try:
-            if step.reports:
-                await member.broadcast([wire.encode(r) for r in step.reports], confirmed=True)
+            if failure is not None:
+                raise failure
+            if sent is not None:
+                await sent
             elif previous is not None:
                 await asyncio.shield(previous)  # nothing new: wait for what came before
             if durable is not None:

@@ -97,6 +97,9 @@ class QueueServicer(queue_pb2_grpc.QueueServiceServicer):
 
     async def _find(self, ref: queue_pb2.QueueRef) -> tuple[QueueReplica | None, Any, QueueRecord]:
         """The local master replica, or a stub to the master's node; Refused if neither."""
+        local = self.manager.local(_vhost(ref), ref.queue)
+        if local is not None and local.is_master:
+            return local, None, local.record  # no coordinator round trip on the hot path
         record = await self._record(ref)
         if record.master == self.node_id:
             replica = self.manager.local(record.vhost, record.name) or await self.manager.ensure(record)
