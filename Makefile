@@ -3,6 +3,7 @@
 #   make demo     start a local 3-node cluster, run traffic through a member kill, print what each delivered
 #   make sim      run the deterministic ring simulation over SEEDS seeds (default 20000)
 #   make bench-gm measure confirmed-broadcast throughput through a 3-member ring of processes
+#   make bench    ringq mirrored queues vs RabbitMQ classic mirrored queues (W1-W3), updates docs/benchmarks.md
 SHELL := /bin/bash
 PYTHON ?= python3
 VENV := .venv
@@ -11,7 +12,7 @@ GEN := clients/python/ringq/v1
 PROTOS := $(wildcard protos/ringq/v1/*.proto)
 SEEDS ?= 20000
 
-.PHONY: all setup setup-zookeeper setup-rabbitmq protos lint test sim demo bench-gm bench-reference clean
+.PHONY: all setup setup-zookeeper setup-rabbitmq protos lint test sim demo bench bench-gm bench-reference clean
 
 all: test
 
@@ -63,6 +64,9 @@ sim: setup
 
 demo: setup
 	$(PY) -m services.demo
+
+bench: setup setup-rabbitmq
+	$(PY) -m bench.bench_queues --write docs/benchmarks.md
 
 bench-gm: setup
 	$(PY) -m bench.bench_gm --write docs/benchmarks.md

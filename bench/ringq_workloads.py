@@ -1,0 +1,1113 @@
+"""The workloads of ARCHITECTURE section 10 against ringq: the same method as the RabbitMQ reference.
+
+Everything that defines the method is the reference's (bench/reference/rabbitmq_workloads.py) and
+is imported from it, not copied: the result record (`WorkloadResult`), the durations, the body
+layout (256 bytes: sequence number, send timestamp, padding), the in-flight bound (1000), the
+prefetch (1000), the fixed rate and its 1 ms pacing tick, the producer and consumer report
+records, how latencies, percentiles and the W3 figures are computed (`_latencies_ms`,
+`_w3_result`), and the process plumbing (spawn context, result collection). Only the clients and
+the cluster differ:
+
+- Cluster: `services.cluster.up(3, ...)` on 127.0.0.1 with the node flags of `NODE_ARGS`, one
+  coordinator; the policy `ha` (`^ha\\.`, ha-mode all, ha-sync-mode automatic) is set through the
+  coordinator. A queue is declared (durable) through node1, so its master is on node1, and every
+  workload waits until both mirrors are synchronised before it starts.
+- Client: the Python ringq client (clients/python/ringq/queue.py) over gRPC asyncio, producer and
+  consumer in two separate processes (multiprocessing "spawn"), both connected to the master's node
+  first and failing over to the next node in order.
+- Producer: one Publish stream, messages numbered for an idempotent publisher id (as `Publisher`
+  does), at most 1000 unconfirmed messages in flight, sent in requests of at most 100 messages
+  (`Publisher`'s default batch); when paced, each 1 ms tick sends what has fallen due in one
+  request. Messages are transient (`persistent` false). A message counts when its confirm
+  (outcome CONFIRMED, or DUPLICATE for a resend the queue already held) arrives. When the stream
+  breaks, every unconfirmed message is sent again on a new stream through the next node
+  (`Publisher`'s resend on failover); the queue drops those it already has.
+- Consumer: `QueueClient.consume(prefetch=1000)` (it resumes on another node after a failover) and
+  one `QueueClient.settle` (a Settle RPC) per message, like the reference's one basic.ack per
+  message. The ack is not awaited before the next delivery is handled, as an AMQP basic.ack has
+  no reply; the prefetch bounds how many are outstanding. `ack_every` > 1 (not the reference's
+  method; for investigation only) settles every Nth delivery with `multiple`.
+
+Beyond the reference's figures, for diagnosis (in each result's notes and details): the WARNING and
+ERROR lines the nodes logged during the workload; in W3, the messages still in the queue after the
+run (taken by a check consumer), so that "lost" (confirmed, never delivered) can be told apart from
+"not taken before the drain ended"; and if no delivery came after the kill although the producer
+went on, the gap is counted to the end of the producer's window (`_w3_result` counts it only up to
+the last delivery, so a queue that never serves again would otherwise show a short gap). A queue
+whose mirrors do not all synchronise within 10 s is replaced by a fresh one (the cluster is
+restarted after every second such failure); the notes say so.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import multiprocessing
+import multiprocessing.synchronize
+import os
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+import uuid
+from array import array
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from importlib import metadata
+from pathlib import Path
+from types import TracebackType
+from typing import Any, Self
+
+import grpc
+
+from bench.reference.rabbitmq_workloads import (
+    _CTX,
+    FIXED_RATE,
+    HEADER,
+    MAX_IN_FLIGHT,
+    NS,
+    PACE_TICK_S,
+    PAYLOAD_SIZE,
+    PREFETCH,
+    WORKLOADS,
+    ConsumerReport,
+    Durations,
+    ProducerReport,
+    WorkloadResult,
+    _await_start,
+    _collect,
+    _cpu_note,
+    _cpu_seconds,
+    _join,
+    _KillInfo,
+    _latencies_ms,
+    _RunOutcome,
+    _w3_result,
+    make_body,
+    percentile,
+)
+from ringq.queue import STREAM_RETRYABLE, QueueClient
+from ringq.v1 import coordinator_pb2, coordinator_pb2_grpc, queue_pb2
+from services import cluster
+
+NODES = 3
+NODE_ARGS = (
+    "--failure-timeout-ms",
+    "500",
+    "--heartbeat-interval-ms",
+    "100",
+    "--grace-ms",
+    "100",
+    "--log-level",
+    "WARNING",
+)
+POLICY_NAME = "ha"
+POLICY_PATTERN = r"^ha\."
+POLICY = {"ha-mode": "all", "ha-sync-mode": "automatic"}
+PUBLISH_BATCH = 100  # messages per PublishRequest at most: ringq.queue.Publisher's default
+MASTER_NODE = "node1"
+ADMIN_TIMEOUT_S = 30.0
+SYNC_TIMEOUT_S = 10.0
+_CONFIRMED = (queue_pb2.PUBLISH_OUTCOME_CONFIRMED, queue_pb2.PUBLISH_OUTCOME_DUPLICATE)
+
+
+# --- the cluster ------------------------------------------------------------------------------------
+
+
+class RingqCluster:
+    """A 3-node ringq cluster (plus its coordinator) on 127.0.0.1 in a temporary directory, with the
+    mirroring policy set; a context manager that stops every process it started."""
+
+    def __init__(self, size: int = NODES, node_args: Sequence[str] = NODE_ARGS) -> None:
+        self.size = size
+        self.node_args = tuple(node_args)
+        self._directory: Path | None = None
+        self.info: cluster.ClusterInfo | None = None
+
+    def __enter__(self) -> Self:
+        self._directory = Path(tempfile.mkdtemp(prefix="ringq-bench-queues-"))
+        try:
+            self.info = cluster.up(self.size, self._directory, node_args=self.node_args, timeout=60.0)
+            asyncio.run(self._configure())
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop()
+
+    @property
+    def directory(self) -> Path:
+        if self._directory is None:
+            raise RuntimeError("the cluster was not started")
+        return self._directory
+
+    def stop(self) -> None:
+        """Stop every process of the cluster and remove its directory (idempotent)."""
+        directory, self._directory, self.info = self._directory, None, None
+        if directory is None:
+            return
+        try:
+            cluster.down(directory)
+        finally:
+            shutil.rmtree(directory, ignore_errors=True)
+
+    def restart(self) -> None:
+        """Stop every process and start a fresh cluster (new directory, same settings)."""
+        self.stop()
+        self.__enter__()
+
+    def _info(self) -> cluster.ClusterInfo:
+        if self.info is None:
+            raise RuntimeError("the cluster is not running")
+        return self.info
+
+    async def _configure(self) -> None:
+        """Set the policy, then wait until the coordinator sees every node alive (their heartbeats came)."""
+        info = self._info()
+        policy = coordinator_pb2.Policy(
+            vhost="/", name=POLICY_NAME, pattern=POLICY_PATTERN, definition_json=json.dumps(POLICY)
+        )
+        async with grpc.aio.insecure_channel(info.coordinator.address) as channel:
+            stub = coordinator_pb2_grpc.CoordinatorServiceStub(channel)
+            await stub.SetPolicy(coordinator_pb2.SetPolicyRequest(policy=policy), timeout=10)
+            deadline = time.monotonic() + ADMIN_TIMEOUT_S
+            while True:
+                status = await stub.ClusterStatus(coordinator_pb2.ClusterStatusRequest(), timeout=10)
+                alive = {n.node for n in status.nodes if n.alive}
+                if alive >= set(self.node_names):
+                    return
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"nodes alive after {ADMIN_TIMEOUT_S:g} s: {sorted(alive)}")
+                await asyncio.sleep(0.1)
+
+    @property
+    def node_names(self) -> list[str]:
+        return [n.name for n in self._info().nodes]
+
+    def address(self, node: str) -> str:
+        return self._info().process(node).address
+
+    def addresses_from(self, first: str) -> list[str]:
+        """Every node's address, `first`'s first, then the others in order (the clients' failover order)."""
+        names = self.node_names
+        i = names.index(first)
+        return [self.address(n) for n in names[i:] + names[:i]]
+
+    def alive(self, node: str) -> bool:
+        return cluster.is_alive(self._info().process(node))
+
+    def live_addresses(self) -> list[str]:
+        return [n.address for n in self._info().nodes if cluster.is_alive(n)]
+
+    def kill_node(self, node: str) -> float:
+        """SIGKILL `node` (services.cluster.kill waits until it is gone); returns time.monotonic() just
+        before the signal is sent (the lock and record read before it take well under a millisecond)."""
+        at = time.monotonic()
+        if not cluster.kill(self.directory, node, signal.SIGKILL):
+            raise RuntimeError(f"{node} was not running")
+        return at
+
+    def cpu_seconds(self) -> float:
+        """CPU time (user + system) used so far by the live nodes and the coordinator together."""
+        ticks = os.sysconf("SC_CLK_TCK")
+        total = 0.0
+        for process in self._info().processes:
+            if not cluster.is_alive(process):
+                continue
+            try:
+                fields = Path(f"/proc/{process.pid}/stat").read_text().rsplit(")", 1)[-1].split()
+            except OSError:
+                continue
+            total += (int(fields[11]) + int(fields[12])) / ticks
+        return total
+
+    def log_offsets(self) -> dict[Path, int]:
+        """Where each process's log ends now (see `log_problems`)."""
+        offsets = {}
+        for log in self._info().logs.glob("*.log"):
+            with contextlib.suppress(OSError):
+                offsets[log] = log.stat().st_size
+        return offsets
+
+    def log_problems(self, since: dict[Path, int]) -> list[str]:
+        """The WARNING/ERROR lines the processes logged after `since` ("node2: <message>")."""
+        found = []
+        for log in sorted(self._info().logs.glob("*.log")):
+            try:
+                with log.open("rb") as f:
+                    f.seek(since.get(log, 0))
+                    text = f.read().decode(errors="replace")
+            except OSError:
+                continue
+            for line in text.splitlines():
+                if " WARNING " in line or " ERROR " in line or "Traceback" in line:
+                    found.append(f"{log.stem}: {line[24:].strip()}"[:300])
+        return found
+
+    def log_tails(self, lines: int = 15) -> str:
+        out = []
+        for log in sorted(self._info().logs.glob("*.log")):
+            with contextlib.suppress(OSError):
+                tail = log.read_text(errors="replace").splitlines()[-lines:]
+                out.append(f"--- {log.name}\n" + "\n".join(tail))
+        return "\n".join(out)
+
+
+def _admin(coroutine_factory: Callable[[QueueClient], Any], addresses: Sequence[str]) -> Any:
+    """Run one administrative coroutine with a fresh client (its own event loop), in the parent process."""
+
+    async def run() -> Any:
+        client = QueueClient(addresses)
+        try:
+            return await asyncio.wait_for(coroutine_factory(client), ADMIN_TIMEOUT_S + 10)
+        finally:
+            await client.close()
+
+    return asyncio.run(run())
+
+
+class QueueNotSynchronised(RuntimeError):
+    """A declared queue's mirrors did not all become synchronised in time."""
+
+
+def _declare_synchronised(rc: RingqCluster, queue: str, node: str, timeout: float) -> str:
+    """Declare `queue` (durable) through `node` and wait until every mirror is synchronised; its master's node."""
+
+    async def declare(client: QueueClient) -> str:
+        info = await client.declare(queue, durable=True)
+        deadline = time.monotonic() + timeout
+        while True:
+            status = await client.status(queue)
+            if len(status.synchronised_mirrors) >= rc.size - 1 and status.status == "running":
+                return str(status.master_node)
+            if time.monotonic() > deadline:
+                raise QueueNotSynchronised(
+                    f"{queue}: master {info.master_node}, mirrors {list(status.mirrors)}, synchronised "
+                    f"{list(status.synchronised_mirrors)}, status {status.status!r} after {timeout:g} s"
+                )
+            await asyncio.sleep(0.05)
+
+    master: str = _admin(declare, [rc.address(node)])
+    return master
+
+
+def prepare_queue(
+    rc: RingqCluster, queue: str, node: str = MASTER_NODE, timeout: float = SYNC_TIMEOUT_S, attempts: int = 5
+) -> tuple[str, str, list[str]]:
+    """Declare a queue named `queue` (durable) through `node`, so its master is there, and wait until every
+    mirror is synchronised. Returns (the queue's name, its master's node, the problems met on the way).
+
+    An empty queue's mirrors normally synchronise within 0.2 s. If one does not within `timeout`, that
+    queue is deleted and a fresh one (`queue`.2, ...) declared instead; after every second such failure
+    the whole cluster is restarted first (the race that strands a mirror can repeat on one cluster). At
+    most `attempts` declarations; each retry is returned among the problems, for the workload's notes."""
+    problems: list[str] = []
+    for attempt in range(1, attempts + 1):
+        name = queue if attempt == 1 else f"{queue}.{attempt}"
+        try:
+            master = _declare_synchronised(rc, name, node, timeout)
+        except QueueNotSynchronised as error:
+            problems.append(str(error))
+            if attempt % 2 == 0 and attempt < attempts:
+                problems[-1] += " (cluster restarted)"
+                rc.restart()
+            else:
+                delete_queue(rc, name)
+            continue
+        if master != node:
+            raise RuntimeError(f"{name} was declared through {node} but its master is on {master}")
+        return name, master, problems
+    raise RuntimeError(f"no queue with every mirror synchronised after {attempts} declarations: {problems}")
+
+
+def queue_master(rc: RingqCluster, queue: str) -> str:
+    async def status(client: QueueClient) -> str:
+        return str((await client.status(queue)).master_node)
+
+    master: str = _admin(status, rc.live_addresses())
+    return master
+
+
+def take_leftovers(rc: RingqCluster, queue: str, idle_s: float = 1.0, limit_s: float = 120.0) -> list[int] | None:
+    """After a run: consume what `queue` still holds (acknowledging with `multiple` every 500, which is
+    not the workloads' method but only a check) until `idle_s` passes without a delivery; the sequence
+    numbers taken, or None if the queue could not be read. This tells a message the run's consumer had
+    no time to take (still queued) from one that is gone."""
+
+    async def take(client: QueueClient) -> list[int]:
+        seqs: list[int] = []
+        stream = client.consume(queue, prefetch=PREFETCH, resume=False)
+        last: queue_pb2.QueueDelivery | None = None
+        deadline = time.monotonic() + limit_s
+        try:
+            while time.monotonic() < deadline:
+                try:
+                    delivery = await asyncio.wait_for(anext(stream), idle_s)
+                except (TimeoutError, StopAsyncIteration):
+                    break
+                seqs.append(HEADER.unpack_from(delivery.body)[0])
+                last = delivery
+                if len(seqs) % 500 == 0:
+                    await client.settle(queue, delivery, multiple=True)
+            if last is not None:
+                await client.settle(queue, last, multiple=True)
+        finally:
+            await stream.aclose()
+        return seqs
+
+    try:
+        taken: list[int] = _admin(take, rc.live_addresses())
+    except Exception:
+        return None
+    return taken
+
+
+def delete_queue(rc: RingqCluster, queue: str) -> None:
+    async def delete(client: QueueClient) -> None:
+        await client.call("DeleteQueue", queue_pb2.QueueDeleteRequest(queue=client.ref(queue)), attempts=10)
+
+    with contextlib.suppress(Exception):
+        _admin(delete, rc.live_addresses())
+
+
+# --- the client processes' reports ------------------------------------------------------------------
+
+
+@dataclass
+class RingqProducerReport(ProducerReport):
+    duplicate_outcomes: int = 0  # resends the queue already held (answered DUPLICATE: nothing added)
+    duplicate_seqs: array[int] = field(default_factory=lambda: array("q"))  # with record_confirmed
+    confirmed_ns: array[int] = field(default_factory=lambda: array("q"))  # with record_confirmed: when each came
+    failovers: int = 0  # QueueClient.failed() calls: moves to the next node
+
+
+@dataclass
+class RingqConsumerReport(ConsumerReport):
+    acks_sent: int = 0  # Settle RPCs
+    acks_refused: int = 0  # settle() returned False: the consumer was gone (after a failover)
+    ack_errors: int = 0
+    subscriptions: int = 0  # consumer tags seen: 1 + re-subscriptions
+    failovers: int = 0
+
+
+class _CountingClient(QueueClient):
+    """QueueClient that counts its moves to the next node."""
+
+    def __init__(self, addresses: Sequence[str]) -> None:
+        super().__init__(addresses)
+        self.failovers = 0
+
+    def failed(self) -> None:
+        self.failovers += 1
+        super().failed()
+
+
+def _error_text(error: grpc.aio.AioRpcError) -> str:
+    return f"{error.code().name}: {error.details()}"
+
+
+# --- producer (runs in its own process) ---------------------------------------------------------------
+
+
+@dataclass
+class ProducerConfig:
+    addresses: list[str]  # tried in order; on a failure the next one
+    queue: str
+    warmup_s: float
+    measure_s: float
+    rate: float | None = None  # msgs/s; None: as fast as the confirms allow
+    max_in_flight: int = MAX_IN_FLIGHT
+    batch: int = PUBLISH_BATCH
+    record_confirmed: bool = False
+    confirm_grace_s: float = 3.0  # after the run, how long to wait for outstanding confirms
+    give_up_s: float = 60.0  # failing to publish for longer than this ends the run
+
+
+class _Producer:
+    def __init__(self, cfg: ProducerConfig, started: Any) -> None:
+        self.cfg = cfg
+        self.started_shared = started  # multiprocessing Value('d'): seconds, set at time zero
+        self.report = RingqProducerReport()
+        self.publisher_id = uuid.uuid4().hex
+        # publisher seq (bench seq + 1: ringq deduplicates seqs >= 1) -> (bench seq, send stamp)
+        self.pending: dict[int, tuple[int, int]] = {}
+        self.next_seq = 0
+        self.space = asyncio.Event()  # set when confirms free room in the window (or when finishing)
+        self.all_confirmed = asyncio.Event()
+        self.finishing = False
+        self.done = False
+        self.call: Any = None
+        self.last_confirm_ns = 0
+        self.interval_ns = NS / cfg.rate if cfg.rate else 0.0
+
+    async def run(self) -> RingqProducerReport:
+        wall0, cpu0 = time.monotonic(), _cpu_seconds()
+        client = _CountingClient(self.cfg.addresses)
+        finisher: asyncio.Future[None] | None = None
+        lost_since: float | None = None
+        try:
+            while not self.done:
+                if not self.report.started_ns:
+                    now = time.monotonic_ns()
+                    self.report.started_ns = now
+                    self.report.window_start_ns = now + int(self.cfg.warmup_s * NS)
+                    self.report.window_end_ns = self.report.window_start_ns + int(self.cfg.measure_s * NS)
+                    self.started_shared.value = now / NS
+                    self.last_confirm_ns = now
+                    finisher = asyncio.ensure_future(self._finish())
+                worked = await self._session(client)
+                if self.done:
+                    break
+                if worked or lost_since is None:  # it had worked: a new outage starts now
+                    lost_since = time.monotonic()
+                if time.monotonic() - lost_since > self.cfg.give_up_s:
+                    self.report.errors.append(f"gave up reconnecting after {self.cfg.give_up_s:.0f} s")
+                    break
+                if self.finishing:
+                    break
+                client.failed()
+                self.report.reconnects += 1
+                await asyncio.sleep(0.05)
+        finally:
+            if finisher is not None:
+                finisher.cancel()
+            await client.close()
+        self.report.sequence_numbers = self.next_seq
+        self.report.failovers = client.failovers
+        self.report.cpu_s = _cpu_seconds() - cpu0
+        self.report.wall_s = time.monotonic() - wall0
+        return self.report
+
+    async def _session(self, client: QueueClient) -> bool:
+        """One Publish stream: resend what is unconfirmed, then publish; True if any confirm came."""
+        call = client.stub().Publish()
+        self.call = call
+        resend = sorted(self.pending)
+        writer = asyncio.ensure_future(self._write(call, client.ref(self.cfg.queue), resend))
+        worked = False
+        try:
+            while True:
+                response = await call.read()
+                if response is grpc.aio.EOF:  # type: ignore[attr-defined]
+                    if not self.done:
+                        self.report.errors.append("connection lost: the publish stream ended")
+                    break
+                worked = True
+                self._on_response(response)
+        except grpc.aio.AioRpcError as error:
+            if not self.done:
+                kind = "connection lost" if error.code() in STREAM_RETRYABLE else "publish failed"
+                self.report.errors.append(f"{kind}: {_error_text(error)}"[:200])
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():
+                raise
+            # else the call was cancelled by _finish: the run is over
+        finally:
+            writer.cancel()
+            call.cancel()
+            with contextlib.suppress(BaseException):
+                await writer
+        return worked
+
+    async def _write(self, call: Any, ref: queue_pb2.QueueRef, resend: list[int]) -> None:
+        # A write fails once the stream is broken; the reader then reports the status.
+        with contextlib.suppress(grpc.aio.AioRpcError, asyncio.InvalidStateError):
+            for start in range(0, len(resend), self.cfg.batch):
+                seqs = [s for s in resend[start : start + self.cfg.batch] if s in self.pending]
+                if seqs:
+                    await self._send(call, ref, seqs)
+                    self.report.republished += len(seqs)
+            if self.cfg.rate is None:
+                await self._fill(call, ref)
+            else:
+                await self._pace(call, ref)
+
+    async def _send(self, call: Any, ref: queue_pb2.QueueRef, seqs: list[int]) -> None:
+        pending = self.pending
+        messages = [queue_pb2.OutgoingMessage(body=make_body(*pending[s]), seq=s) for s in seqs]
+        self.report.published += len(messages)
+        await call.write(queue_pb2.PublishRequest(queue=ref, publisher=self.publisher_id, messages=messages))
+
+    def _take(self, count: int, stamp: int | None) -> list[int]:
+        """Number the next `count` messages and put them in the window; `stamp` None: each one's scheduled time."""
+        seqs = []
+        for _ in range(count):
+            seq = self.next_seq
+            self.next_seq += 1
+            sent = stamp if stamp is not None else self.report.started_ns + int(seq * self.interval_ns)
+            self.pending[seq + 1] = (seq, sent)
+            seqs.append(seq + 1)
+        return seqs
+
+    async def _fill(self, call: Any, ref: queue_pb2.QueueRef) -> None:
+        """Unthrottled: keep the window full."""
+        while not self.finishing:
+            room = self.cfg.max_in_flight - len(self.pending)
+            if room <= 0:
+                self.space.clear()
+                await self.space.wait()
+                continue
+            await self._send(call, ref, self._take(min(self.cfg.batch, room), time.monotonic_ns()))
+
+    async def _pace(self, call: Any, ref: queue_pb2.QueueRef) -> None:
+        """Paced: every tick, send what has fallen due (the window permitting), stamped with its scheduled time."""
+        assert self.cfg.rate is not None
+        while not self.finishing:
+            due = int((time.monotonic_ns() - self.report.started_ns) / NS * self.cfg.rate) + 1
+            while self.next_seq < due and len(self.pending) < self.cfg.max_in_flight:
+                count = min(self.cfg.batch, due - self.next_seq, self.cfg.max_in_flight - len(self.pending))
+                await self._send(call, ref, self._take(count, None))
+            self.report.behind_schedule = max(0, due - self.next_seq)
+            await asyncio.sleep(PACE_TICK_S)
+
+    def _on_response(self, response: queue_pb2.PublishResponse) -> None:
+        now = time.monotonic_ns()
+        report = self.report
+        count = 0
+        for seq, outcome in zip(response.seqs, response.outcomes, strict=True):
+            entry = self.pending.pop(seq, None)
+            if entry is None:
+                continue
+            if outcome in _CONFIRMED:
+                count += 1
+                duplicate = outcome == queue_pb2.PUBLISH_OUTCOME_DUPLICATE
+                report.duplicate_outcomes += duplicate
+                if self.cfg.record_confirmed:
+                    report.confirmed_seqs.append(entry[0])
+                    report.confirmed_ns.append(now)
+                    if duplicate:
+                        report.duplicate_seqs.append(entry[0])
+            else:
+                report.nacked += 1
+        if count:
+            report.confirmed += count
+            if report.window_start_ns <= now < report.window_end_ns:
+                report.confirmed_in_window += count
+            if now > report.window_start_ns:
+                gap = (now - max(self.last_confirm_ns, report.window_start_ns)) / NS
+                report.longest_confirm_gap_s = max(report.longest_confirm_gap_s, gap)
+            self.last_confirm_ns = now
+        self.space.set()
+        if not self.pending:
+            self.all_confirmed.set()
+
+    async def _finish(self) -> None:
+        """At the window's end: stop publishing, wait (a grace at most) for the outstanding confirms, end."""
+        await asyncio.sleep(max(0.0, (self.report.window_end_ns - time.monotonic_ns()) / NS))
+        self.finishing = True
+        self.space.set()
+        if self.pending:
+            self.all_confirmed.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.all_confirmed.wait(), self.cfg.confirm_grace_s)
+        self.done = True
+        if self.call is not None:
+            self.call.cancel()
+
+
+def _producer_main(cfg: ProducerConfig, started: Any, results: multiprocessing.Queue[Any]) -> None:
+    try:
+        report: ProducerReport = asyncio.run(_Producer(cfg, started).run())
+    except BaseException as exc:
+        report = RingqProducerReport(errors=[f"producer crashed: {exc!r}"])
+    results.put(("producer", report))
+
+
+# --- consumer (runs in its own process) ---------------------------------------------------------------
+
+
+@dataclass
+class ConsumerConfig:
+    addresses: list[str]
+    queue: str
+    prefetch: int = PREFETCH
+    ack_every: int = 1  # 1: one Settle per message (the reference's method); N: every Nth with `multiple`
+    drain: bool = False  # after stop: keep consuming until idle_s without a delivery (at most drain_s)
+    idle_s: float = 1.5
+    drain_s: float = 30.0
+
+
+class _Consumer:
+    def __init__(
+        self, cfg: ConsumerConfig, ready: multiprocessing.synchronize.Event, stop: multiprocessing.synchronize.Event
+    ) -> None:
+        self.cfg = cfg
+        self.ready = ready
+        self.stop = stop
+        self.report = RingqConsumerReport()
+        self.tags: set[str] = set()
+        self.acks: set[asyncio.Future[None]] = set()
+        self.unacked = 0
+        self.last_delivery = time.monotonic()
+        self.closing = False
+
+    async def run(self) -> RingqConsumerReport:
+        wall0, cpu0 = time.monotonic(), _cpu_seconds()
+        client = _CountingClient(self.cfg.addresses)
+        consuming = asyncio.ensure_future(self._consume(client))
+        try:
+            await self._await_subscribed(client, consuming)
+            self.ready.set()
+            await self._await_stop()
+        finally:
+            consuming.cancel()
+            with contextlib.suppress(BaseException):
+                await consuming
+            if self.acks:
+                await asyncio.wait(self.acks, timeout=5.0)
+            self.closing = True
+            await client.close()
+        self.report.subscriptions = len(self.tags)
+        self.report.reconnects = max(0, len(self.tags) - 1)
+        self.report.failovers = client.failovers
+        self.report.cpu_s = _cpu_seconds() - cpu0
+        self.report.wall_s = time.monotonic() - wall0
+        return self.report
+
+    async def _consume(self, client: QueueClient) -> None:
+        while True:
+            try:
+                async for delivery in client.consume(self.cfg.queue, prefetch=self.cfg.prefetch):
+                    self._on_delivery(client, delivery)
+                self.report.errors.append("connection lost: the consume stream ended")
+            except grpc.aio.AioRpcError as error:  # not retryable: QueueClient.consume retries the others itself
+                self.report.errors.append(f"consume failed: {_error_text(error)}"[:200])
+            await asyncio.sleep(0.05)
+
+    async def _await_subscribed(self, client: QueueClient, consuming: asyncio.Future[None]) -> None:
+        """The consumer is attached once the queue reports it (the Consume stream answers only with deliveries)."""
+        deadline = time.monotonic() + ADMIN_TIMEOUT_S
+        while (await client.status(self.cfg.queue)).consumers < 1:
+            if consuming.done() or time.monotonic() > deadline:
+                raise RuntimeError(f"the consumer did not attach to {self.cfg.queue}: {self.report.errors[:3]}")
+            await asyncio.sleep(0.02)
+
+    def _on_delivery(self, client: QueueClient, delivery: queue_pb2.QueueDelivery) -> None:
+        now = time.monotonic_ns()
+        seq, sent = HEADER.unpack_from(delivery.body)
+        report = self.report
+        report.received_ns.append(now)
+        report.sent_ns.append(sent)
+        report.seqs.append(seq)
+        report.redelivered_flags.append(1 if delivery.redelivered else 0)
+        if delivery.redelivered:
+            report.redelivered += 1
+        if delivery.consumer_tag not in self.tags:
+            self.tags.add(delivery.consumer_tag)
+            self.unacked = 0
+        self.unacked += 1
+        if self.unacked >= self.cfg.ack_every:
+            self.unacked = 0
+            task = asyncio.ensure_future(self._settle(client, delivery, self.cfg.ack_every > 1))
+            self.acks.add(task)
+            task.add_done_callback(self.acks.discard)
+        self.last_delivery = time.monotonic()
+
+    async def _settle(self, client: QueueClient, delivery: queue_pb2.QueueDelivery, multiple: bool) -> None:
+        self.report.acks_sent += 1
+        try:
+            settled = await client.settle(self.cfg.queue, delivery, multiple=multiple)
+        except grpc.aio.AioRpcError as error:
+            if self.closing and error.code() == grpc.StatusCode.CANCELLED:
+                return  # still in flight when the run ended
+            self.report.ack_errors += 1
+            if self.report.ack_errors <= 3:
+                self.report.errors.append(f"ack failed: {_error_text(error)}"[:200])
+            return
+        if not settled:
+            self.report.acks_refused += 1
+
+    async def _await_stop(self) -> None:
+        stop_seen_at: float | None = None
+        while True:
+            await asyncio.sleep(0.05)
+            if not self.stop.is_set():
+                continue
+            now = time.monotonic()
+            stop_seen_at = stop_seen_at or now
+            if (
+                not self.cfg.drain
+                or now - self.last_delivery > self.cfg.idle_s
+                or now - stop_seen_at > self.cfg.drain_s
+            ):
+                return
+
+
+def _consumer_main(
+    cfg: ConsumerConfig,
+    ready: multiprocessing.synchronize.Event,
+    stop: multiprocessing.synchronize.Event,
+    results: multiprocessing.Queue[Any],
+) -> None:
+    try:
+        report: ConsumerReport = asyncio.run(_Consumer(cfg, ready, stop).run())
+    except BaseException as exc:
+        report = RingqConsumerReport(errors=[f"consumer crashed: {exc!r}"])
+    results.put(("consumer", report))
+
+
+# --- orchestration (the parent process) ---------------------------------------------------------------
+
+
+def _cluster_cpu_percent(rc: RingqCluster, started_s: float, warmup_s: float, measure_s: float) -> float:
+    """The nodes' and coordinator's CPU use over the measured window, in % of one core."""
+    time.sleep(max(0.0, started_s + warmup_s - time.monotonic()))
+    cpu0, t0 = rc.cpu_seconds(), time.monotonic()
+    time.sleep(max(0.0, started_s + warmup_s + measure_s - time.monotonic()))
+    elapsed = time.monotonic() - t0
+    return 100 * (rc.cpu_seconds() - cpu0) / elapsed if elapsed > 0 else 0.0
+
+
+def _sync_note(problems: list[str]) -> str:
+    if not problems:
+        return ""
+    restarts = sum("(cluster restarted)" in p for p in problems)
+    again = f", the cluster restarted {restarts} times" if restarts else ""
+    return f"queue declared {len(problems) + 1} times{again}: a mirror never synchronised ({problems[0]})"
+
+
+def _ack_note(ack_every: int) -> str:
+    return "one Settle per message" if ack_every == 1 else f"Settle with multiple every {ack_every} messages"
+
+
+def run_w1(rc: RingqCluster, durations: Durations, queue: str = "ha.w1") -> WorkloadResult:
+    """One producer, confirms with up to 1000 in flight, nobody consuming: confirmed msgs/s."""
+    queue, master, problems = prepare_queue(rc, queue)
+    results: multiprocessing.Queue[Any] = _CTX.Queue()
+    started = _CTX.Value("d", 0.0)
+    cfg = ProducerConfig(rc.addresses_from(master), queue, durations.warmup_s, durations.measure_s)
+    producer = _CTX.Process(target=_producer_main, args=(cfg, started, results), name="w1-producer")
+    producer.start()
+    try:
+        started_s = _await_start(started, producer)
+        broker_cpu = _cluster_cpu_percent(rc, started_s, durations.warmup_s, durations.measure_s)
+        report: RingqProducerReport = _collect(results, {"producer"}, durations.warmup_s + durations.measure_s + 60)[
+            "producer"
+        ]
+    finally:
+        _join([producer])
+        delete_queue(rc, queue)
+    notes = [
+        f"{report.confirmed_in_window} confirmed in {durations.measure_s:g} s after {durations.warmup_s:g} s warm-up",
+        _cpu_note("producer", report.cpu_s, report.wall_s),
+        f"brokers CPU {broker_cpu:.0f}%",
+    ]
+    if report.nacked:
+        notes.append(f"{report.nacked} nacked")
+    notes.append(_sync_note(problems))
+    if report.errors:
+        notes.append("errors: " + "; ".join(report.errors[:3]))
+    return WorkloadResult(
+        name="W1",
+        rate=report.confirmed_in_window / durations.measure_s,
+        notes=", ".join(n for n in notes if n),
+        details={
+            "confirmed": report.confirmed,
+            "published": report.published,
+            "producer_cpu_s": round(report.cpu_s, 3),
+            "producer_wall_s": round(report.wall_s, 3),
+            "brokers_cpu_percent": round(broker_cpu, 1),
+            "redeclared": len(problems),
+        },
+    )
+
+
+def _run_pair(
+    rc: RingqCluster,
+    queue: str,
+    warmup_s: float,
+    measure_s: float,
+    *,
+    rate: float | None,
+    drain: bool,
+    record_confirmed: bool,
+    ack_every: int,
+    drain_s: float = 30.0,
+    on_started: Callable[[float], _KillInfo | None] | None = None,
+) -> _RunOutcome:
+    master_before = queue_master(rc, queue)
+    addresses = rc.addresses_from(master_before)
+    results: multiprocessing.Queue[Any] = _CTX.Queue()
+    ready, stop = _CTX.Event(), _CTX.Event()
+    started = _CTX.Value("d", 0.0)
+    consumer_cfg = ConsumerConfig(addresses, queue, ack_every=ack_every, drain=drain, drain_s=drain_s)
+    producer_cfg = ProducerConfig(addresses, queue, warmup_s, measure_s, rate=rate, record_confirmed=record_confirmed)
+    consumer = _CTX.Process(target=_consumer_main, args=(consumer_cfg, ready, stop, results), name="consumer")
+    producer = _CTX.Process(target=_producer_main, args=(producer_cfg, started, results), name="producer")
+    kill: _KillInfo | None = None
+    broker_cpu: float | None = None
+    got: dict[str, Any] = {}
+    try:
+        consumer.start()
+        if not ready.wait(ADMIN_TIMEOUT_S + 10):
+            raise RuntimeError(f"the consumer did not subscribe to {queue} within {ADMIN_TIMEOUT_S + 10:g} s")
+        producer.start()
+        started_s = _await_start(started, producer)
+        if on_started is not None:
+            kill = on_started(started_s)
+        else:
+            broker_cpu = _cluster_cpu_percent(rc, started_s, warmup_s, measure_s)
+        got = _collect(results, {"producer"}, warmup_s + measure_s + 120)
+        stop.set()
+        got.update(_collect(results, {"consumer"}, drain_s + 60))
+    finally:
+        stop.set()
+        _join([consumer, producer])
+    outcome = _RunOutcome(
+        producer=got["producer"], consumer=got["consumer"], master_before=master_before, broker_cpu_percent=broker_cpu
+    )
+    if kill is not None:
+        outcome.killed_at_ns = kill.at_ns
+        outcome.killed_node = kill.node
+        with contextlib.suppress(Exception):
+            outcome.master_after = queue_master(rc, queue)
+    return outcome
+
+
+def run_w2(
+    rc: RingqCluster, durations: Durations, *, rate: float | None = None, queue: str = "ha.w2", ack_every: int = 1
+) -> WorkloadResult:
+    """Producer and consumer at once (prefetch 1000, manual acks): delivered msgs/s and latency p50/p99."""
+    queue, _, problems = prepare_queue(rc, queue)
+    try:
+        run = _run_pair(
+            rc,
+            queue,
+            durations.warmup_s,
+            durations.measure_s,
+            rate=rate,
+            drain=False,
+            record_confirmed=False,
+            ack_every=ack_every,
+        )
+    finally:
+        delete_queue(rc, queue)
+    producer, consumer = run.producer, run.consumer
+    assert isinstance(consumer, RingqConsumerReport)
+    start, end = producer.window_start_ns, producer.window_end_ns
+    delivered = sum(1 for t in consumer.received_ns if start <= t < end)
+    latencies = _latencies_ms(consumer, start, end)
+    name = "W2" if rate is None else f"W2@{rate:g}/s"
+    notes = [
+        f"{delivered} delivered in {durations.measure_s:g} s after {durations.warmup_s:g} s warm-up",
+        f"confirmed {producer.confirmed_in_window / durations.measure_s:.0f}/s",
+        _ack_note(ack_every),
+        _cpu_note("producer", producer.cpu_s, producer.wall_s),
+        _cpu_note("consumer", consumer.cpu_s, consumer.wall_s),
+        f"brokers CPU {run.broker_cpu_percent or 0:.0f}%",
+    ]
+    if rate is not None and producer.behind_schedule:
+        notes.append(f"producer {producer.behind_schedule} msgs behind schedule at the end")
+    notes.append(_sync_note(problems))
+    errors = producer.errors + consumer.errors
+    if errors:
+        notes.append("errors: " + "; ".join(errors[:3]))
+    return WorkloadResult(
+        name=name,
+        rate=delivered / durations.measure_s,
+        p50_ms=percentile(latencies, 0.50) if latencies else None,
+        p99_ms=percentile(latencies, 0.99) if latencies else None,
+        duplicates=len(consumer.seqs) - len(set(consumer.seqs)),
+        notes=", ".join(n for n in notes if n),
+        details={
+            "delivered_in_window": delivered,
+            "confirmed_in_window": producer.confirmed_in_window,
+            "published": producer.published,
+            "target_rate": rate if rate is not None else "unbounded",
+            "acks": _ack_note(ack_every),
+            "acks_sent": consumer.acks_sent,
+            "producer_cpu_s": round(producer.cpu_s, 3),
+            "consumer_cpu_s": round(consumer.cpu_s, 3),
+            "brokers_cpu_percent": round(run.broker_cpu_percent or 0, 1),
+            "redeclared": len(problems),
+        },
+    )
+
+
+def _count_outage_to_the_end(result: WorkloadResult, run: _RunOutcome) -> None:
+    """`_w3_result` measures the gap up to the last delivery, so a queue that never serves again after the
+    kill would show a short gap. If deliveries stopped before the producer's window ended, the outage
+    lasted at least until then: count that."""
+    received = run.consumer.received_ns
+    if run.killed_at_ns is None or not received:
+        return
+    last = max(received)
+    end = run.producer.window_end_ns
+    if last >= end:
+        return
+    outage_s = (end - max(last, run.killed_at_ns - NS)) / NS
+    if result.gap_s is None or outage_s > result.gap_s:
+        result.gap_s = outage_s
+        result.details["gap_counted_to_window_end"] = 1
+        result.notes += (
+            f"; no delivery after {(last - run.killed_at_ns) / NS:+.2f} s from the kill although the producer went on: "
+            f"gap counted to the end of the producer's window ({outage_s:.2f} s, at least)"
+        )
+
+
+def run_w3(
+    rc: RingqCluster, durations: Durations, *, rate: float = FIXED_RATE, queue: str = "ha.w3", ack_every: int = 1
+) -> WorkloadResult:
+    """W2 at a fixed rate, SIGKILL the master's node: seconds without service, messages lost, duplicates."""
+    queue, master, problems = prepare_queue(rc, queue)
+
+    def kill_master(started_s: float) -> _KillInfo:
+        time.sleep(max(0.0, started_s + durations.w3_warmup_s - time.monotonic()))
+        at = rc.kill_node(master)
+        return _KillInfo(node=master, at_ns=int(at * NS))
+
+    leftovers: list[int] | None = None
+    try:
+        run = _run_pair(
+            rc,
+            queue,
+            durations.w3_warmup_s,
+            durations.w3_after_kill_s,
+            rate=rate,
+            drain=True,
+            record_confirmed=True,
+            ack_every=ack_every,
+            drain_s=durations.drain_s,
+            on_started=kill_master,
+        )
+        leftovers = take_leftovers(rc, queue)  # the consumer is gone: what it did not take is still queued
+    finally:
+        delete_queue(rc, queue)
+    result = _w3_result(run, rate, durations)
+    producer, consumer = run.producer, run.consumer
+    _count_outage_to_the_end(result, run)
+    missing = set(producer.confirmed_seqs) - set(consumer.seqs)
+    still_queued = len(missing & set(leftovers)) if leftovers is not None else None
+    assert isinstance(producer, RingqProducerReport) and isinstance(consumer, RingqConsumerReport)
+    result.details.update(
+        {
+            "acks": _ack_note(ack_every),
+            "duplicate_outcomes": producer.duplicate_outcomes,
+            "producer_failovers": producer.failovers,
+            "consumer_failovers": consumer.failovers,
+            "acks_sent": consumer.acks_sent,
+            "acks_refused": consumer.acks_refused,
+            "ack_errors": consumer.ack_errors,
+            "redeclared": len(problems),
+            "left_in_queue": len(leftovers) if leftovers is not None else "?",
+            "lost_still_queued": still_queued if still_queued is not None else "?",
+        }
+    )
+    result.notes += (
+        f", resends answered DUPLICATE {producer.duplicate_outcomes}"
+        f", acks refused after the failover {consumer.acks_refused}"
+    )
+    if still_queued:
+        result.notes += (
+            f"; of the {result.lost} lost by the method, {still_queued} were still in the queue after the run "
+            f"(the consumer did not take them within the {durations.drain_s:g} s drain), so "
+            f"{(result.lost or 0) - still_queued} are really gone"
+        )
+    if problems:
+        result.notes += ", " + _sync_note(problems)
+    return result
+
+
+# --- everything, one run ----------------------------------------------------------------------------
+
+
+@dataclass
+class RingqReport:
+    """The ringq side of `make bench`: what ran, on what, and its measurements."""
+
+    version: str
+    commit: str
+    nodes: int
+    setup: str
+    results: list[WorkloadResult] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def ringq_version() -> tuple[str, str]:
+    """The installed package's version and the checkout's commit ("+changes" if the tree differs from it)."""
+    try:
+        version = metadata.version("ringq")
+    except metadata.PackageNotFoundError:
+        version = "unknown"
+    commit = "unknown"
+    root = Path(__file__).resolve().parents[1]
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
+        head = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10, check=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=root,
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
+        ).stdout.strip()
+        commit = head + ("+changes" if dirty else "")
+    return version, commit
+
+
+def run_ringq(
+    *,
+    quick: bool = False,
+    only: Sequence[str] = WORKLOADS,
+    rate: float = FIXED_RATE,
+    ack_every: int = 1,
+    progress: Callable[[str], None] | None = None,
+    stop_requested: Callable[[], bool] = lambda: False,
+) -> RingqReport:
+    """Start a 3-node ringq cluster, run the chosen workloads (W3 last: it kills a node), stop the cluster.
+
+    `stop_requested` is asked before each workload (KeyboardInterrupt if it says so): an interrupt that
+    gRPC turned into a cancelled call somewhere below still ends the run."""
+    unknown = set(only) - set(WORKLOADS)
+    if unknown:
+        raise ValueError(f"unknown workloads {sorted(unknown)}; choose from {WORKLOADS}")
+    if ack_every < 1:
+        raise ValueError("ack_every must be at least 1")
+    durations = Durations.quick() if quick else Durations()
+    say = progress or (lambda _message: None)
+    version, commit = ringq_version()
+    say(f"starting a {NODES}-node ringq cluster on 127.0.0.1")
+    with RingqCluster(NODES) as rc:
+        say(f"ringq {version} ({commit}): {', '.join(rc.node_names)} and a coordinator in {rc.directory}")
+        steps: list[tuple[str, Callable[[], WorkloadResult]]] = [
+            ("w1", lambda: run_w1(rc, durations)),
+            ("w2", lambda: run_w2(rc, durations, ack_every=ack_every)),
+            ("w2rate", lambda: run_w2(rc, durations, rate=rate, queue="ha.w2rate", ack_every=ack_every)),
+            ("w3", lambda: run_w3(rc, durations, rate=rate, ack_every=ack_every)),
+        ]
+        results: list[WorkloadResult] = []
+        for key, step in steps:
+            if key in only:
+                if stop_requested():
+                    raise KeyboardInterrupt
+                say(f"running {key}")
+                offsets = rc.log_offsets()
+                try:
+                    result = step()
+                except Exception as error:
+                    raise RuntimeError(f"ringq {key} failed: {error}\n{rc.log_tails()}") from error
+                problems = rc.log_problems(offsets)
+                result.details["node_log_problems"] = len(problems)
+                if problems:
+                    shown = "; ".join(problems[:3])
+                    result.notes += f"; the nodes logged {len(problems)} warnings/errors, e.g. {shown}"
+                results.append(result)
+    setup = (
+        f"{NODES} nodes and a coordinator on 127.0.0.1 (node flags {' '.join(NODE_ARGS)}), queues mirrored by "
+        f"policy `{POLICY_NAME}` (`{POLICY_PATTERN}`, {json.dumps(POLICY)}); Python ringq client (gRPC asyncio), "
+        f"producer and consumer in separate processes; {PAYLOAD_SIZE}-byte transient bodies; confirms <= "
+        f"{MAX_IN_FLIGHT} in flight, <= {PUBLISH_BATCH} messages per Publish request; prefetch {PREFETCH}, "
+        f"{_ack_note(ack_every)}"
+    )
+    return RingqReport(version=version, commit=commit, nodes=NODES, setup=setup, results=results)
