@@ -82,11 +82,10 @@ from bench.reference.rabbitmq_workloads import (
     _cpu_seconds,
     _join,
     _KillInfo,
-    _latencies_ms,
     _RunOutcome,
     _w3_result,
     make_body,
-    percentile,
+    w2_result,
 )
 from ringq.queue import STREAM_RETRYABLE, QueueClient
 from ringq.v1 import coordinator_pb2, coordinator_pb2_grpc, queue_pb2
@@ -889,45 +888,14 @@ def run_w2(
         )
     finally:
         delete_queue(rc, queue)
-    producer, consumer = run.producer, run.consumer
+    consumer = run.consumer
     assert isinstance(consumer, RingqConsumerReport)
-    start, end = producer.window_start_ns, producer.window_end_ns
-    delivered = sum(1 for t in consumer.received_ns if start <= t < end)
-    latencies = _latencies_ms(consumer, start, end)
-    name = "W2" if rate is None else f"W2@{rate:g}/s"
-    notes = [
-        f"{delivered} delivered in {durations.measure_s:g} s after {durations.warmup_s:g} s warm-up",
-        f"confirmed {producer.confirmed_in_window / durations.measure_s:.0f}/s",
-        _ack_note(ack_every),
-        _cpu_note("producer", producer.cpu_s, producer.wall_s),
-        _cpu_note("consumer", consumer.cpu_s, consumer.wall_s),
-        f"brokers CPU {run.broker_cpu_percent or 0:.0f}%",
-    ]
-    if rate is not None and producer.behind_schedule:
-        notes.append(f"producer {producer.behind_schedule} msgs behind schedule at the end")
-    notes.append(_sync_note(problems))
-    errors = producer.errors + consumer.errors
-    if errors:
-        notes.append("errors: " + "; ".join(errors[:3]))
-    return WorkloadResult(
-        name=name,
-        rate=delivered / durations.measure_s,
-        p50_ms=percentile(latencies, 0.50) if latencies else None,
-        p99_ms=percentile(latencies, 0.99) if latencies else None,
-        duplicates=len(consumer.seqs) - len(set(consumer.seqs)),
-        notes=", ".join(n for n in notes if n),
-        details={
-            "delivered_in_window": delivered,
-            "confirmed_in_window": producer.confirmed_in_window,
-            "published": producer.published,
-            "target_rate": rate if rate is not None else "unbounded",
-            "acks": _ack_note(ack_every),
-            "acks_sent": consumer.acks_sent,
-            "producer_cpu_s": round(producer.cpu_s, 3),
-            "consumer_cpu_s": round(consumer.cpu_s, 3),
-            "brokers_cpu_percent": round(run.broker_cpu_percent or 0, 1),
-            "redeclared": len(problems),
-        },
+    return w2_result(
+        run,
+        durations,
+        rate,
+        extra_notes=[_ack_note(ack_every), _sync_note(problems)],
+        extra_details={"acks": _ack_note(ack_every), "acks_sent": consumer.acks_sent, "redeclared": len(problems)},
     )
 
 

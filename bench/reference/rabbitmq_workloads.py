@@ -762,6 +762,17 @@ def run_w2(
         )
     finally:
         delete_queue(cluster, queue)
+    return w2_result(run, durations, rate)
+
+
+def w2_result(
+    run: Any,
+    durations: Durations,
+    rate: float | None,
+    extra_notes: Sequence[str] = (),
+    extra_details: dict[str, Any] | None = None,
+) -> WorkloadResult:
+    """The W2 result record from a producer/consumer run (shared by both brokers' workloads)."""
     producer, consumer = run.producer, run.consumer
     start, end = producer.window_start_ns, producer.window_end_ns
     delivered = sum(1 for t in consumer.received_ns if start <= t < end)
@@ -770,12 +781,14 @@ def run_w2(
     notes = [
         f"{delivered} delivered in {durations.measure_s:g} s after {durations.warmup_s:g} s warm-up",
         f"confirmed {producer.confirmed_in_window / durations.measure_s:.0f}/s",
+        *extra_notes[:1],
         _cpu_note("producer", producer.cpu_s, producer.wall_s),
         _cpu_note("consumer", consumer.cpu_s, consumer.wall_s),
         f"brokers CPU {run.broker_cpu_percent or 0:.0f}%",
     ]
     if rate is not None and producer.behind_schedule:
         notes.append(f"producer {producer.behind_schedule} msgs behind schedule at the end")
+    notes.extend(extra_notes[1:])
     errors = producer.errors + consumer.errors
     if errors:
         notes.append("errors: " + "; ".join(errors[:3]))
@@ -791,6 +804,7 @@ def run_w2(
             "confirmed_in_window": producer.confirmed_in_window,
             "published": producer.published,
             "target_rate": rate if rate is not None else "unbounded",
+            **(extra_details or {}),
             "producer_cpu_s": round(producer.cpu_s, 3),
             "consumer_cpu_s": round(consumer.cpu_s, 3),
             "brokers_cpu_percent": round(run.broker_cpu_percent or 0, 1),
