@@ -172,7 +172,39 @@ class ProducerReport:
     errors: list[str] = field(default_factory=list)
 
 
-class _Producer:
+class _PikaClient:
+    """Connection and channel callbacks shared by the producer and the consumer:
+    failures are recorded in the report and stop the I/O loop."""
+
+    report: ProducerReport | ConsumerReport
+    done: bool
+    connection: Any
+
+    def _on_channel(self, channel: Any) -> None:
+        raise NotImplementedError  # each client sets its channel up
+
+    def _on_open(self, connection: Any) -> None:
+        connection.channel(on_open_callback=self._on_channel)
+
+    def _on_open_error(self, connection: Any, error: BaseException) -> None:
+        self.report.errors.append(f"connect: {error!r}"[:200])
+        connection.ioloop.stop()
+
+    def _on_closed(self, connection: Any, reason: BaseException) -> None:
+        if not self.done:
+            self.report.errors.append(f"connection lost: {reason!r}"[:200])
+        connection.ioloop.stop()
+
+    def _on_channel_closed(self, channel: Any, reason: BaseException) -> None:
+        if not self.done:
+            self.report.errors.append(f"channel closed: {reason!r}"[:200])
+        if self.connection is not None and self.connection.is_open:
+            self.connection.close()
+
+
+class _Producer(_PikaClient):
+    report: ProducerReport
+
     def __init__(self, cfg: ProducerConfig, started: Any) -> None:
         self.cfg = cfg
         self.started_shared = started  # multiprocessing Value('d'): seconds, set at time zero
@@ -226,28 +258,10 @@ class _Producer:
         self.report.wall_s = time.monotonic() - wall0
         return self.report
 
-    def _on_open(self, connection: Any) -> None:
-        connection.channel(on_open_callback=self._on_channel)
-
-    def _on_open_error(self, connection: Any, error: BaseException) -> None:
-        self.report.errors.append(f"connect: {error!r}"[:200])
-        connection.ioloop.stop()
-
-    def _on_closed(self, connection: Any, reason: BaseException) -> None:
-        if not self.done:
-            self.report.errors.append(f"connection lost: {reason!r}"[:200])
-        connection.ioloop.stop()
-
     def _on_channel(self, channel: Any) -> None:
         self.channel = channel
         channel.add_on_close_callback(self._on_channel_closed)
         channel.confirm_delivery(self._on_confirm, callback=self._on_confirm_mode)
-
-    def _on_channel_closed(self, channel: Any, reason: BaseException) -> None:
-        if not self.done:
-            self.report.errors.append(f"channel closed: {reason!r}"[:200])
-        if self.connection is not None and self.connection.is_open:
-            self.connection.close()
 
     def _on_confirm_mode(self, _frame: Any) -> None:
         self.pending.clear()
@@ -402,7 +416,9 @@ class ConsumerReport:
     errors: list[str] = field(default_factory=list)
 
 
-class _Consumer:
+class _Consumer(_PikaClient):
+    report: ConsumerReport
+
     def __init__(
         self, cfg: ConsumerConfig, ready: multiprocessing.synchronize.Event, stop: multiprocessing.synchronize.Event
     ) -> None:
@@ -449,18 +465,6 @@ class _Consumer:
         self.report.wall_s = time.monotonic() - wall0
         return self.report
 
-    def _on_open(self, connection: Any) -> None:
-        connection.channel(on_open_callback=self._on_channel)
-
-    def _on_open_error(self, connection: Any, error: BaseException) -> None:
-        self.report.errors.append(f"connect: {error!r}"[:200])
-        connection.ioloop.stop()
-
-    def _on_closed(self, connection: Any, reason: BaseException) -> None:
-        if not self.done:
-            self.report.errors.append(f"connection lost: {reason!r}"[:200])
-        connection.ioloop.stop()
-
     def _on_channel(self, channel: Any) -> None:
         self.channel = channel
         channel.add_on_close_callback(self._on_channel_closed)
@@ -477,12 +481,6 @@ class _Consumer:
         """The broker cancelled our consumer (e.g. the queue moved): subscribe again shortly."""
         self.report.cancels += 1
         self.connection.ioloop.call_later(0.1, self._consume)
-
-    def _on_channel_closed(self, channel: Any, reason: BaseException) -> None:
-        if not self.done:
-            self.report.errors.append(f"channel closed: {reason!r}"[:200])
-        if self.connection is not None and self.connection.is_open:
-            self.connection.close()
 
     def _on_message(self, channel: Any, method: Any, _properties: Any, body: bytes) -> None:
         now = time.monotonic_ns()
