@@ -26,7 +26,7 @@ import shutil
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 from ringq.v1 import queue_replication_pb2
@@ -528,8 +528,6 @@ class QueueReplica:
 
 
 def _replace_record(record: QueueRecord, **changes: object) -> QueueRecord:
-    from dataclasses import replace
-
     return replace(record, **changes)  # type: ignore[arg-type]
 
 
