@@ -1,0 +1,156 @@
+#!/usr/bin/env node
+// @ts-check
+/**
+ * cli.js: a tiny command-line tool over ringq.js (used by tests/test_interop_node.py).
+ *
+ *   node cli.js publish --address A[,B,...] --queue Q --count N [--publisher P] [--declare] [--durable]
+ *       publishes bodies "<P>:<seq>" for seq 1..N with confirms, waits for every
+ *       confirm, prints one JSON line {"confirmed":N,"duplicates":D,"rejected":R,"resends":S,"publisher":P};
+ *       exit status 0 if all N were confirmed (a DUPLICATE counts: the broker had it).
+ *   node cli.js consume --address A[,B,...] --queue Q --count N [--prefetch K] [--timeout-ms T]
+ *       consumes N deliveries, acks each on the Consume stream, closes the stream,
+ *       prints one JSON line {"consumed":N,"redelivered":R,"bodies":[...in delivery order]};
+ *       exit status 0 if N arrived within T ms (default 30000).
+ *
+ * Errors go to stderr as one JSON line {"error":..., "code":...} with exit status 1
+ * (2 for bad usage). --address may be repeated or comma-separated.
+ */
+'use strict';
+
+const { parseArgs } = require('node:util');
+const ringq = require('./ringq');
+
+const USAGE = `usage:
+  node cli.js publish --address A[,B] --queue Q --count N [--publisher P] [--declare] [--durable]
+  node cli.js consume --address A[,B] --queue Q --count N [--prefetch K] [--timeout-ms T]`;
+
+/** @param {unknown} value */
+function print(value) {
+  process.stdout.write(`${JSON.stringify(value)}\n`);
+}
+
+/**
+ * @param {string | undefined} text
+ * @param {string} name
+ */
+function positive(text, name) {
+  const value = Number(text);
+  if (!Number.isInteger(value) || value < 0) throw new UsageError(`--${name} must be a whole number, got ${text}`);
+  return value;
+}
+
+class UsageError extends Error {}
+
+/** @param {string[]} argv */
+async function main(argv) {
+  const [command, ...rest] = argv;
+  const { values } = parseArgs({
+    args: rest,
+    options: {
+      address: { type: 'string', multiple: true },
+      queue: { type: 'string' },
+      count: { type: 'string' },
+      publisher: { type: 'string' },
+      declare: { type: 'boolean', default: false },
+      durable: { type: 'boolean', default: false },
+      prefetch: { type: 'string', default: '100' },
+      'timeout-ms': { type: 'string', default: '30000' },
+    },
+  });
+  const addresses = (values.address ?? []).flatMap((a) => a.split(','));
+  if (addresses.length === 0 || !values.queue || values.count === undefined) throw new UsageError(USAGE);
+  const count = positive(values.count, 'count');
+  const client = await ringq.connect(addresses);
+  try {
+    if (command === 'publish') return await publish(client, values.queue, count, values);
+    if (command === 'consume') {
+      const timeoutMs = positive(values['timeout-ms'], 'timeout-ms');
+      return await consume(client, values.queue, count, positive(values.prefetch, 'prefetch'), timeoutMs);
+    }
+    throw new UsageError(USAGE);
+  } finally {
+    client.close();
+  }
+}
+
+/**
+ * @param {ringq.Client} client
+ * @param {string} queue
+ * @param {number} count
+ * @param {{ publisher?: string, declare?: boolean, durable?: boolean }} options
+ */
+async function publish(client, queue, count, options) {
+  if (options.declare) await client.declareQueue(queue, { durable: options.durable ?? false });
+  const publisher = client.publisher(queue, { publisherId: options.publisher, persistent: options.durable ?? false });
+  const results = await Promise.allSettled(
+    Array.from({ length: count }, (_, i) => publisher.publish(`${publisher.publisherId}:${i + 1}`)),
+  );
+  await publisher.close();
+  const summary = { confirmed: 0, duplicates: 0, rejected: 0, resends: publisher.resends, publisher: publisher.publisherId };
+  /** @type {unknown} */
+  let failure = null;
+  for (const result of results) {
+    if (result.status === 'fulfilled') {
+      summary.confirmed++;
+      if (result.value.outcome === 'PUBLISH_OUTCOME_DUPLICATE') summary.duplicates++;
+    } else if (result.reason instanceof ringq.RejectedError) summary.rejected++;
+    else failure ??= result.reason;
+  }
+  print(summary);
+  if (failure !== null) throw failure;
+  return summary.confirmed === count ? 0 : 1;
+}
+
+/**
+ * @param {ringq.Client} client
+ * @param {string} queue
+ * @param {number} count
+ * @param {number} prefetch
+ * @param {number} timeoutMs
+ */
+async function consume(client, queue, count, prefetch, timeoutMs) {
+  /** @type {string[]} */
+  const bodies = [];
+  let redelivered = 0;
+  /** @type {() => void} */
+  let enough = () => {};
+  const all = new Promise((resolve) => {
+    enough = () => resolve(undefined);
+  });
+  if (count === 0) enough();
+  const consumer = client.consume(queue, { prefetch }, (delivery, self) => {
+    if (bodies.length >= count) {
+      self.nack(delivery, true); // more than asked for: back to the queue
+      return;
+    }
+    bodies.push(delivery.body.toString('utf8'));
+    if (delivery.redelivered) redelivered++;
+    self.ack(delivery);
+    if (bodies.length === count) enough();
+  });
+  /** @type {NodeJS.Timeout | undefined} */
+  let timer;
+  const timedOut = new Promise((resolve) => {
+    timer = setTimeout(() => resolve('timeout'), timeoutMs);
+  });
+  const outcome = await Promise.race([all, consumer.done, timedOut]);
+  clearTimeout(timer);
+  await consumer.close();
+  await consumer.done; // rethrows the error that ended the consumer, if any
+  print({ consumed: bodies.length, redelivered, bodies });
+  if (outcome === 'timeout') {
+    process.stderr.write(`${JSON.stringify({ error: `only ${bodies.length} of ${count} deliveries in ${timeoutMs} ms` })}\n`);
+    return 1;
+  }
+  return 0;
+}
+
+main(process.argv.slice(2)).then(
+  (code) => process.exit(code),
+  (error) => {
+    const usage = error instanceof UsageError || error?.code === 'ERR_PARSE_ARGS_UNKNOWN_OPTION';
+    const code = typeof error?.code === 'number' ? (ringq.statusName(error.code) ?? error.code) : error?.code;
+    process.stderr.write(`${JSON.stringify({ error: error?.details || error?.message || String(error), code })}\n`);
+    process.exit(usage ? 2 : 1);
+  },
+);

@@ -1,0 +1,748 @@
+// @ts-check
+/**
+ * ringq.js: a small Node.js client of ringq.v1.QueueService (mirrored queues).
+ *
+ * The service definition is loaded at run time from the repository's protos/
+ * directory (include path `protos/`, file `ringq/v1/queue.proto`; override
+ * with the `protosDir` option or the RINGQ_PROTOS environment variable), so
+ * there is no generated code to keep in step.
+ *
+ * Conventions (proto-loader options, the same everywhere in this module):
+ *   - keepCase: false: fields are camelCase (deliveryTag, consumerTag, ...);
+ *   - longs: String: every uint64 read from the broker (delivery tags, seqs,
+ *     message ids, depths) is a decimal string, so nothing is rounded; a
+ *     uint64 sent may be a number or a string. Publisher seqs are handed to
+ *     the caller as numbers (they count from 1 and stay far below 2^53);
+ *   - enums: String: outcomes and settle kinds are their names
+ *     ("PUBLISH_OUTCOME_CONFIRMED", "SETTLE_KIND_ACK", ...);
+ *   - bytes are Buffers; defaults: true (absent fields read as their default).
+ *
+ * Guarantees:
+ *   - any address of the cluster will do: a call that gets UNAVAILABLE
+ *     (or DEADLINE_EXCEEDED / ABORTED) is retried on the next address;
+ *   - a Publisher numbers its messages 1, 2, 3, ... under one publisher id and
+ *     resolves each message's promise once the broker confirms it (every
+ *     synchronised mirror holds it). When its stream breaks it opens a new one
+ *     (on the next address) and resends every unconfirmed message in seq
+ *     order; the broker drops the ones it already has (dedup by publisher id
+ *     + seq), so nothing is lost and nothing is duplicated;
+ *   - a Consumer settles deliveries on its Consume stream (acks ride the
+ *     stream in order, batched per tick: no call each). If the stream breaks
+ *     with a retryable status it reattaches (on the next address); deliveries
+ *     of the old stream can no longer be settled (ack() returns false) and
+ *     come back flagged redelivered: at-least-once delivery. An error the
+ *     broker reports on the stream (e.g. FAILED_PRECONDITION for an unknown
+ *     delivery tag) ends the consumer and rejects `consumer.done`.
+ *
+ *     const ringq = require('./ringq');
+ *     const client = await ringq.connect(['127.0.0.1:7101', '127.0.0.1:7102']);
+ *     await client.declareQueue('orders', { durable: true });
+ *     const publisher = client.publisher('orders');
+ *     await publisher.publish('hello');            // resolves on the confirm
+ *     const consumer = client.consume('orders', { prefetch: 100 }, (d) => {
+ *       console.log(d.body.toString());
+ *       consumer.ack(d);
+ *     });
+ *     ...
+ *     await consumer.close();
+ *     await publisher.close();
+ *     client.close();
+ */
+'use strict';
+
+const crypto = require('node:crypto');
+const path = require('node:path');
+const grpc = require('@grpc/grpc-js');
+const protoLoader = require('@grpc/proto-loader');
+
+/** Where protos/ is in this repository (clients/node/../../protos). */
+const DEFAULT_PROTOS_DIR = path.resolve(__dirname, '..', '..', 'protos');
+const PROTO_FILE = 'ringq/v1/queue.proto';
+
+/** The proto-loader options used for every message of this module. */
+const LOADER_OPTIONS = Object.freeze({
+  keepCase: false,
+  longs: String,
+  enums: String,
+  bytes: Buffer,
+  defaults: true,
+  oneofs: true,
+});
+
+const CHANNEL_OPTIONS = Object.freeze({
+  'grpc.max_send_message_length': 64 * 1024 * 1024,
+  'grpc.max_receive_message_length': 64 * 1024 * 1024,
+  'grpc.initial_reconnect_backoff_ms': 50,
+  'grpc.max_reconnect_backoff_ms': 1000,
+});
+
+/** Statuses after which a call is retried on the next address. */
+const RETRYABLE = new Set([grpc.status.UNAVAILABLE, grpc.status.DEADLINE_EXCEEDED, grpc.status.ABORTED]);
+/** Streams also retry INTERNAL: a stream the broker ended while we were writing may report it. */
+const STREAM_RETRYABLE = new Set([...RETRYABLE, grpc.status.INTERNAL]);
+
+/**
+ * @typedef {{ vhost: string, queue: string }} QueueRef
+ * @typedef {{
+ *   queue: QueueRef, masterNode: string, masterAddress: string, mirrors: string[],
+ *   synchronisedMirrors: string[], depth: string, ready: string, unacked: string,
+ *   consumers: number, policy: string, syncing: string[], status: string
+ * }} QueueInfo
+ * @typedef {{
+ *   consumerTag: string, deliveryTag: string, body: Buffer, redelivered: boolean,
+ *   deliveryCount: number, headers: Record<string, string>, publisher: string,
+ *   seq: string, messageId: string
+ * }} Delivery
+ * @typedef {'PUBLISH_OUTCOME_CONFIRMED' | 'PUBLISH_OUTCOME_DUPLICATE' | 'PUBLISH_OUTCOME_REJECTED'} PublishOutcome
+ * @typedef {'SETTLE_KIND_ACK' | 'SETTLE_KIND_REQUEUE' | 'SETTLE_KIND_REJECT'} SettleKind
+ * @typedef {{ seq: number, outcome: PublishOutcome }} Confirm
+ * @typedef {{
+ *   headers?: Record<string, string>, priority?: number, expirationMs?: number, persistent?: boolean
+ * }} MessageOptions
+ * @typedef {Error & { code?: number, details?: string }} ServiceErrorLike
+ */
+
+/** @type {Map<string, any>} */
+const loaded = new Map();
+
+/**
+ * The QueueService client constructor, loaded from `protosDir` (cached).
+ * @param {string} protosDir
+ * @returns {any}
+ */
+function loadService(protosDir) {
+  let service = loaded.get(protosDir);
+  if (service === undefined) {
+    const definition = protoLoader.loadSync(PROTO_FILE, { ...LOADER_OPTIONS, includeDirs: [protosDir] });
+    const descriptor = /** @type {any} */ (grpc.loadPackageDefinition(definition));
+    service = descriptor.ringq.v1.QueueService;
+    loaded.set(protosDir, service);
+  }
+  return service;
+}
+
+/** @param {number} ms */
+function sleep(ms) {
+  return new Promise((resolve) => setTimeout(resolve, ms));
+}
+
+/**
+ * @param {unknown} error
+ * @returns {number | undefined} the gRPC status code of `error`, if it has one
+ */
+function codeOf(error) {
+  const code = /** @type {{ code?: unknown }} */ (error ?? {}).code;
+  return typeof code === 'number' ? code : undefined;
+}
+
+/**
+ * @param {number} code a gRPC status code
+ * @returns {string | undefined} its name, e.g. "FAILED_PRECONDITION"
+ */
+function statusName(code) {
+  return Object.entries(grpc.status).find(([, value]) => value === code)?.[0];
+}
+
+/** A message the broker refused (overflow reject-publish): the promise of its publish rejects with this. */
+class RejectedError extends Error {
+  /** @param {number} seq */
+  constructor(seq) {
+    super(`message seq ${seq} was rejected by the queue (it is full: overflow reject-publish)`);
+    this.name = 'RejectedError';
+    this.seq = seq;
+  }
+}
+
+/**
+ * Connect to a ringq cluster: resolves once one of `addresses` is reachable
+ * (tried in order, round and round, until `connectTimeoutMs`).
+ * @param {string[] | string} addresses "host:port" of any nodes (a string may list them comma-separated)
+ * @param {{ vhost?: string, protosDir?: string, connectTimeoutMs?: number }} [options]
+ * @returns {Promise<Client>}
+ */
+async function connect(addresses, options = {}) {
+  const client = new Client(addresses, options);
+  try {
+    await client.ready(options.connectTimeoutMs ?? 10_000);
+  } catch (error) {
+    client.close();
+    throw error;
+  }
+  return client;
+}
+
+/** A connection to a ringq cluster (one channel per address; failover to the next on UNAVAILABLE). */
+class Client {
+  /**
+   * @param {string[] | string} addresses
+   * @param {{ vhost?: string, protosDir?: string }} [options]
+   */
+  constructor(addresses, options = {}) {
+    const list = (typeof addresses === 'string' ? addresses.split(',') : addresses).map((a) => a.trim()).filter(Boolean);
+    if (list.length === 0) throw new Error('connect: at least one address is needed');
+    /** @type {string[]} */
+    this.addresses = list;
+    this.vhost = options.vhost ?? '/';
+    const Service = loadService(options.protosDir ?? process.env.RINGQ_PROTOS ?? DEFAULT_PROTOS_DIR);
+    /** @type {any[]} */
+    this.stubs = list.map((a) => new Service(a, grpc.credentials.createInsecure(), CHANNEL_OPTIONS));
+    this.current = 0;
+  }
+
+  /**
+   * Wait until one address is ready, preferring the current one.
+   * @param {number} timeoutMs
+   */
+  async ready(timeoutMs) {
+    const deadline = Date.now() + timeoutMs;
+    /** @type {unknown} */
+    let last;
+    while (Date.now() < deadline) {
+      const index = this.current;
+      const stub = this.stubs[index];
+      const wait = Math.min(1000, Math.max(1, deadline - Date.now()));
+      try {
+        await new Promise((resolve, reject) =>
+          stub.waitForReady(Date.now() + wait, (/** @type {Error | undefined} */ e) => (e ? reject(e) : resolve(undefined))),
+        );
+        return;
+      } catch (error) {
+        last = error;
+        this.failed(index);
+      }
+    }
+    throw new Error(`none of ${this.addresses.join(', ')} could be reached: ${String(last)}`);
+  }
+
+  /** @returns {{ stub: any, index: number }} the stub to use now */
+  stub() {
+    return { stub: this.stubs[this.current], index: this.current };
+  }
+
+  /**
+   * The address at `index` failed: use the next one (unless someone already moved on).
+   * @param {number} index
+   */
+  failed(index) {
+    if (this.current === index) this.current = (index + 1) % this.addresses.length;
+  }
+
+  /** @param {string} queue @returns {QueueRef} */
+  ref(queue) {
+    return { vhost: this.vhost, queue };
+  }
+
+  /**
+   * A unary call, retried on the next address while the cluster is in transition.
+   * @param {string} method e.g. "declareQueue"
+   * @param {object} request
+   * @param {{ attempts?: number, timeoutMs?: number }} [options]
+   * @returns {Promise<any>}
+   */
+  async call(method, request, options = {}) {
+    const attempts = options.attempts ?? 60;
+    const timeoutMs = options.timeoutMs ?? 10_000;
+    for (let attempt = 1; ; attempt++) {
+      const { stub, index } = this.stub();
+      try {
+        return await new Promise((resolve, reject) => {
+          stub[method](request, { deadline: Date.now() + timeoutMs }, (/** @type {Error | null} */ e, /** @type {any} */ r) =>
+            e ? reject(e) : resolve(r),
+          );
+        });
+      } catch (error) {
+        if (!RETRYABLE.has(/** @type {number} */ (codeOf(error))) || attempt >= attempts) throw error;
+        this.failed(index);
+        await sleep(Math.min(50 * attempt, 500));
+      }
+    }
+  }
+
+  /**
+   * Declare a queue (or find it); FAILED_PRECONDITION if it exists with other properties.
+   * @param {string} queue
+   * @param {{ durable?: boolean, autoDelete?: boolean, exclusiveOwner?: string, arguments?: Record<string, string> }} [options]
+   *   `arguments` values are JSON texts, e.g. { 'x-single-active-consumer': 'true' }
+   * @returns {Promise<QueueInfo>}
+   */
+  declareQueue(queue, options = {}) {
+    return this.call('declareQueue', {
+      queue: this.ref(queue),
+      durable: options.durable ?? false,
+      autoDelete: options.autoDelete ?? false,
+      exclusiveOwner: options.exclusiveOwner ?? '',
+      arguments: options.arguments ?? {},
+    });
+  }
+
+  /** @param {string} queue @returns {Promise<QueueInfo>} depth, consumers, master, mirrors */
+  status(queue) {
+    return this.call('queueStatus', this.ref(queue));
+  }
+
+  /**
+   * Take one message, if there is one (null if the queue has none ready).
+   * Unless `noAck`, settle it with `settle(queue, delivery, kind)`.
+   * @param {string} queue
+   * @param {{ noAck?: boolean }} [options]
+   * @returns {Promise<Delivery | null>}
+   */
+  async get(queue, options = {}) {
+    const response = await this.call('get', { queue: this.ref(queue), noAck: options.noAck ?? false });
+    return response.found ? response.delivery : null;
+  }
+
+  /**
+   * Settle with a unary call (for deliveries of `get`; a Consumer settles on its stream).
+   * @param {string} queue
+   * @param {{ consumerTag?: string, deliveryTag: string | number }} delivery
+   * @param {SettleKind} [kind]
+   * @param {{ multiple?: boolean }} [options]
+   */
+  async settle(queue, delivery, kind = 'SETTLE_KIND_ACK', options = {}) {
+    await this.call(
+      'settle',
+      {
+        queue: this.ref(queue),
+        consumerTag: delivery.consumerTag ?? '',
+        deliveryTag: delivery.deliveryTag,
+        multiple: options.multiple ?? false,
+        kind,
+      },
+      { attempts: 3 },
+    );
+  }
+
+  /**
+   * A publisher to `queue`.
+   * @param {string} queue
+   * @param {PublisherOptions} [options]
+   */
+  publisher(queue, options = {}) {
+    return new Publisher(this, queue, options);
+  }
+
+  /**
+   * Consume `queue`: `onDelivery(delivery, consumer)` is called for each delivery;
+   * settle it with `consumer.ack(delivery)` / `consumer.nack(delivery, requeue)`.
+   * @param {string} queue
+   * @param {ConsumerOptions} options
+   * @param {(delivery: Delivery, consumer: Consumer) => unknown} onDelivery
+   */
+  consume(queue, options, onDelivery) {
+    return new Consumer(this, queue, options ?? {}, onDelivery);
+  }
+
+  /** Close every channel (close publishers and consumers first). */
+  close() {
+    for (const stub of this.stubs) stub.close();
+  }
+}
+
+/**
+ * @typedef {{
+ *   publisherId?: string, batchSize?: number, window?: number, persistent?: boolean, retryTimeoutMs?: number
+ * }} PublisherOptions
+ *   publisherId: dedup identity (default: random); batchSize: messages per PublishRequest (100);
+ *   window: most unconfirmed messages on the wire (1000); persistent: default for messages (false);
+ *   retryTimeoutMs: give up (reject every pending message) after this long without a confirm while
+ *   the stream keeps failing (30 s)
+ */
+
+/**
+ * @typedef {{ seq: number, message: object, resolve: (c: Confirm) => void, reject: (e: Error) => void }} Pending
+ */
+
+/** Publishes to one queue with confirms, an idempotent publisher id, batches and a bounded window. */
+class Publisher {
+  /**
+   * @param {Client} client
+   * @param {string} queue
+   * @param {PublisherOptions} [options]
+   */
+  constructor(client, queue, options = {}) {
+    this.client = client;
+    this.queue = queue;
+    this.publisherId = options.publisherId ?? crypto.randomUUID().replaceAll('-', '');
+    this.batchSize = Math.max(1, options.batchSize ?? 100);
+    this.window = Math.max(1, options.window ?? 1000);
+    this.persistent = options.persistent ?? false;
+    this.retryTimeoutMs = options.retryTimeoutMs ?? 30_000;
+    /** The seq the next message gets. */
+    this.nextSeq = 1;
+    /** How many times a broken stream was replaced (every unconfirmed message resent). */
+    this.resends = 0;
+    /** @type {Map<number, Pending>} unconfirmed messages, in seq order */
+    this.pending = new Map();
+    /** @type {number[]} seqs not yet written on the current stream, in order */
+    this.unsent = [];
+    /** @type {any} the current Publish stream */
+    this.call = null;
+    this.scheduled = false;
+    this.reopening = false;
+    this.closed = false;
+    /** @type {number | null} when the stream started failing with no confirm since */
+    this.failingSince = null;
+    this.failures = 0;
+    /** @type {(() => void)[]} */
+    this.idleWaiters = [];
+  }
+
+  /**
+   * Publish one message; resolves with its seq and outcome once the broker
+   * confirmed it (CONFIRMED, or DUPLICATE if the broker already had it);
+   * rejects with RejectedError if the queue refused it, or with the stream's
+   * error if that is not retryable (or retrying took longer than retryTimeoutMs).
+   * @param {Buffer | string} body
+   * @param {MessageOptions} [options]
+   * @returns {Promise<Confirm>}
+   */
+  publish(body, options = {}) {
+    if (this.closed) return Promise.reject(new Error('publisher is closed'));
+    const seq = this.nextSeq++;
+    const message = {
+      body: Buffer.isBuffer(body) ? body : Buffer.from(body),
+      seq,
+      persistent: options.persistent ?? this.persistent,
+      headers: options.headers ?? {},
+      priority: options.priority ?? 0,
+      expirationMs: options.expirationMs ?? 0,
+    };
+    return new Promise((resolve, reject) => {
+      this.pending.set(seq, { seq, message, resolve, reject });
+      this.unsent.push(seq);
+      this.schedule();
+    });
+  }
+
+  /**
+   * Publish many; resolves when every one is settled (rejects on the first refusal).
+   * @param {(Buffer | string)[]} bodies
+   * @param {MessageOptions} [options]
+   */
+  publishMany(bodies, options = {}) {
+    return Promise.all(bodies.map((b) => this.publish(b, options)));
+  }
+
+  /** Resolves once every message published so far is confirmed or refused. */
+  flush() {
+    if (this.pending.size === 0) return Promise.resolve();
+    return new Promise((resolve) => this.idleWaiters.push(() => resolve(undefined)));
+  }
+
+  /** Wait for every confirm, then end the stream. */
+  async close() {
+    await this.flush();
+    this.closed = true;
+    const call = this.call;
+    this.call = null;
+    if (call !== null) call.end();
+  }
+
+  /** Write what the window allows on the next tick, so messages published together share a batch. */
+  schedule() {
+    if (this.scheduled) return;
+    this.scheduled = true;
+    setImmediate(() => {
+      this.scheduled = false;
+      this.pump();
+    });
+  }
+
+  pump() {
+    if (this.reopening || this.unsent.length === 0) return;
+    if (this.call === null) this.open();
+    const ref = this.client.ref(this.queue);
+    while (this.unsent.length > 0) {
+      const inFlight = this.pending.size - this.unsent.length;
+      const room = Math.min(this.batchSize, this.window - inFlight);
+      if (room <= 0) return;
+      const seqs = this.unsent.splice(0, room);
+      const messages = [];
+      for (const seq of seqs) {
+        const entry = this.pending.get(seq);
+        if (entry !== undefined) messages.push(entry.message);
+      }
+      if (messages.length > 0) this.call.write({ queue: ref, publisher: this.publisherId, messages });
+    }
+  }
+
+  open() {
+    const { stub, index } = this.client.stub();
+    const call = stub.publish();
+    this.call = call;
+    call.on('data', (/** @type {{ seqs: string[], outcomes: PublishOutcome[] }} */ response) => {
+      if (call !== this.call) return;
+      this.confirmed(response);
+    });
+    call.on('error', (/** @type {ServiceErrorLike} */ error) => {
+      if (call !== this.call) return;
+      this.broken(error, index);
+    });
+    call.on('end', () => {
+      if (call !== this.call) return;
+      const error = Object.assign(new Error('the broker ended the publish stream'), { code: grpc.status.UNAVAILABLE });
+      this.broken(error, index);
+    });
+  }
+
+  /** @param {{ seqs: string[], outcomes: PublishOutcome[] }} response */
+  confirmed(response) {
+    this.failingSince = null;
+    this.failures = 0;
+    response.seqs.forEach((text, i) => {
+      const seq = Number(text);
+      const entry = this.pending.get(seq);
+      if (entry === undefined) return;
+      this.pending.delete(seq);
+      const outcome = response.outcomes[i];
+      if (outcome === 'PUBLISH_OUTCOME_REJECTED') entry.reject(new RejectedError(seq));
+      else entry.resolve({ seq, outcome });
+    });
+    this.idleCheck();
+    this.pump();
+  }
+
+  /**
+   * The stream failed: reopen (resending every unconfirmed message) or give up.
+   * @param {ServiceErrorLike} error
+   * @param {number} index
+   */
+  broken(error, index) {
+    const call = this.call;
+    this.call = null;
+    if (call !== null) call.cancel();
+    const retryable = STREAM_RETRYABLE.has(/** @type {number} */ (codeOf(error)));
+    if (this.failingSince === null) this.failingSince = Date.now();
+    if (!retryable || Date.now() - this.failingSince > this.retryTimeoutMs) {
+      this.failingSince = null;
+      const entries = [...this.pending.values()];
+      this.pending.clear();
+      this.unsent = [];
+      for (const entry of entries) entry.reject(error);
+      this.idleCheck();
+      return;
+    }
+    this.client.failed(index);
+    this.resends++;
+    this.failures++;
+    this.reopening = true;
+    setTimeout(() => {
+      this.reopening = false;
+      this.unsent = [...this.pending.keys()]; // seq order: resend every unconfirmed message
+      this.pump();
+    }, Math.min(50 * this.failures, 1000));
+  }
+
+  idleCheck() {
+    if (this.pending.size > 0) return;
+    const waiters = this.idleWaiters;
+    this.idleWaiters = [];
+    for (const wake of waiters) wake();
+  }
+}
+
+/**
+ * @typedef {{ prefetch?: number, consumerTag?: string, priority?: number, resume?: boolean, closeTimeoutMs?: number }} ConsumerOptions
+ *   prefetch: most unsettled deliveries (100; 0: unlimited); consumerTag: empty lets the broker name it;
+ *   resume: reattach after a retryable stream failure (true); closeTimeoutMs: how long close() waits
+ *   for the broker to end the stream after our half-close before cancelling it (5 s)
+ */
+
+/** A consumer on a Consume stream; settlements ride the same stream. */
+class Consumer {
+  /**
+   * @param {Client} client
+   * @param {string} queue
+   * @param {ConsumerOptions} options
+   * @param {(delivery: Delivery, consumer: Consumer) => unknown} onDelivery
+   */
+  constructor(client, queue, options, onDelivery) {
+    this.client = client;
+    this.queue = queue;
+    this.prefetch = options.prefetch ?? 100;
+    this.consumerTag = options.consumerTag ?? '';
+    this.priority = options.priority ?? 0;
+    this.resume = options.resume ?? true;
+    this.closeTimeoutMs = options.closeTimeoutMs ?? 5_000;
+    this.onDelivery = onDelivery;
+    /** @type {any} the current Consume stream */
+    this.call = null;
+    /** Which stream is current: deliveries of an earlier one can no longer be settled. */
+    this.generation = 0;
+    /** @type {WeakMap<object, number>} delivery -> generation of the stream that brought it */
+    this.origins = new WeakMap();
+    /** @type {{ deliveryTag: string | number, multiple: boolean, kind: SettleKind }[]} */
+    this.settlements = [];
+    this.flushScheduled = false;
+    this.closing = false;
+    this.failures = 0;
+    /** How many times the consumer reattached after a broken stream. */
+    this.reattached = 0;
+    /** @type {(value: void) => void} */
+    let resolveDone = () => {};
+    /** @type {(error: Error) => void} */
+    let rejectDone = () => {};
+    /** Settles when the consumer ends: resolves after close(), rejects with the error that ended it. */
+    this.done = new Promise((resolve, reject) => {
+      resolveDone = resolve;
+      rejectDone = reject;
+    });
+    this.done.catch(() => {}); // a caller that never looks at `done` gets no unhandled rejection
+    this.resolveDone = resolveDone;
+    this.rejectDone = rejectDone;
+    this.ended = false;
+    this.attach();
+  }
+
+  attach() {
+    const { stub, index } = this.client.stub();
+    const call = stub.consume();
+    const generation = ++this.generation;
+    this.call = call;
+    this.settlements = [];
+    call.write({
+      queue: this.client.ref(this.queue),
+      consumerTag: this.consumerTag,
+      prefetch: this.prefetch,
+      priority: this.priority,
+    });
+    call.on('data', (/** @type {Delivery} */ delivery) => {
+      if (call !== this.call || this.closing) return; // after close(): the broker requeues it
+      this.failures = 0;
+      this.origins.set(delivery, generation);
+      try {
+        const result = this.onDelivery(delivery, this);
+        if (result instanceof Promise) result.catch((error) => this.fail(error));
+      } catch (error) {
+        this.fail(/** @type {Error} */ (error));
+      }
+    });
+    call.on('error', (/** @type {ServiceErrorLike} */ error) => {
+      if (call !== this.call) return;
+      this.call = null;
+      if (this.closing) return this.finish();
+      if (this.resume && STREAM_RETRYABLE.has(/** @type {number} */ (codeOf(error)))) {
+        this.client.failed(index);
+        this.failures++;
+        this.reattached++;
+        setTimeout(() => {
+          if (!this.closing && !this.ended) this.attach();
+        }, Math.min(100 * this.failures, 1000));
+        return;
+      }
+      this.fail(error);
+    });
+    call.on('end', () => {
+      if (call !== this.call) return;
+      this.call = null;
+      if (this.closing) return this.finish();
+      this.fail(Object.assign(new Error('the broker ended the consume stream'), { code: grpc.status.UNAVAILABLE }));
+    });
+  }
+
+  /**
+   * Acknowledge a delivery (with `multiple`, also every earlier one of this consumer).
+   * @param {Delivery | { deliveryTag: string | number }} delivery
+   * @param {{ multiple?: boolean }} [options]
+   * @returns {boolean} false if the delivery came on a stream that is gone (it will be redelivered)
+   */
+  ack(delivery, options = {}) {
+    return this.settle(delivery, 'SETTLE_KIND_ACK', options.multiple ?? false);
+  }
+
+  /**
+   * Refuse a delivery: requeue it (the default) or reject it (dead-lettered if the queue says so).
+   * @param {Delivery | { deliveryTag: string | number }} delivery
+   * @param {boolean} [requeue]
+   * @param {{ multiple?: boolean }} [options]
+   * @returns {boolean} false if the delivery came on a stream that is gone
+   */
+  nack(delivery, requeue = true, options = {}) {
+    return this.settle(delivery, requeue ? 'SETTLE_KIND_REQUEUE' : 'SETTLE_KIND_REJECT', options.multiple ?? false);
+  }
+
+  /**
+   * Queue a settlement for the current stream (sent with the others of this tick).
+   * A delivery tag this consumer never received is sent as it is: the broker
+   * then ends the stream with FAILED_PRECONDITION (see `done`).
+   * @param {Delivery | { deliveryTag: string | number }} delivery
+   * @param {SettleKind} kind
+   * @param {boolean} multiple
+   * @returns {boolean}
+   */
+  settle(delivery, kind, multiple) {
+    if (this.call === null || this.ended) return false;
+    const origin = this.origins.get(delivery);
+    if (origin !== undefined && origin !== this.generation) return false;
+    this.settlements.push({ deliveryTag: delivery.deliveryTag, multiple, kind });
+    if (!this.flushScheduled) {
+      this.flushScheduled = true;
+      setImmediate(() => this.flush());
+    }
+    return true;
+  }
+
+  flush() {
+    this.flushScheduled = false;
+    if (this.settlements.length === 0 || this.call === null) return;
+    const settlements = this.settlements;
+    this.settlements = [];
+    this.call.write({ settlements });
+  }
+
+  /**
+   * Stop consuming: send pending settlements, half-close the stream and wait
+   * (up to closeTimeoutMs) for the broker to end it, then cancel it. The broker
+   * requeues whatever was delivered and not settled.
+   */
+  async close() {
+    if (this.closing || this.ended) return this.done.catch(() => {});
+    this.closing = true;
+    const call = this.call;
+    if (call === null) {
+      this.finish();
+      return;
+    }
+    this.flush();
+    call.end();
+    const timer = setTimeout(() => {
+      if (this.call === call) {
+        this.call = null;
+        call.cancel();
+        this.finish();
+      }
+    }, this.closeTimeoutMs);
+    await this.done.catch(() => {});
+    clearTimeout(timer);
+  }
+
+  finish() {
+    if (this.ended) return;
+    this.ended = true;
+    this.resolveDone();
+  }
+
+  /** @param {Error} error */
+  fail(error) {
+    if (this.ended) return;
+    this.ended = true;
+    const call = this.call;
+    this.call = null;
+    if (call !== null) call.cancel();
+    this.rejectDone(error);
+  }
+}
+
+module.exports = {
+  connect,
+  Client,
+  Publisher,
+  Consumer,
+  RejectedError,
+  LOADER_OPTIONS,
+  DEFAULT_PROTOS_DIR,
+  PROTO_FILE,
+  status: grpc.status,
+  statusName,
+};
