@@ -22,7 +22,7 @@ delivery tag is refused without changing anything.
 from __future__ import annotations
 
 import enum
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,6 +38,15 @@ class QueueError(Exception):
     def __init__(self, code: str, message: str) -> None:
         super().__init__(message)
         self.code = code
+
+
+@dataclass(frozen=True)
+class Settlement:
+    """One settlement of a consumer's delivery: kind is "ack", "requeue" or "reject"."""
+
+    delivery_tag: int
+    multiple: bool
+    kind: str
 
 
 @dataclass(frozen=True)
@@ -239,6 +248,34 @@ class QueueMaster:
             self._discard(ids, "rejected", step)
         self._dispatch(step)
         return step
+
+    def settle(self, consumer: str, settlements: Sequence[Settlement]) -> tuple[Step, QueueError | None]:
+        """Settle a run of a consumer's deliveries in one step (acks coalesced
+        into one report). Stops at the first unknown delivery tag: what came
+        before it is settled (and in the step), the error is returned."""
+        step = Step()
+        acked: list[int] = []
+        error: QueueError | None = None
+        for settlement in settlements:
+            try:
+                ids = self._take_tags(consumer, settlement.delivery_tag, settlement.multiple)
+            except QueueError as refused:
+                error = refused
+                break
+            if settlement.kind == "ack":
+                acked.extend(ids)
+                continue
+            if acked:  # keep the order of reports as settled
+                self._report(Settle(tuple(acked)), step)
+                acked = []
+            if settlement.kind == "requeue":
+                self._requeue(ids, step)
+            else:
+                self._discard(ids, "rejected", step)
+        if acked:
+            self._report(Settle(tuple(acked)), step)
+        self._dispatch(step)
+        return step, error
 
     def _take_tags(self, consumer_tag: str, delivery_tag: int, multiple: bool) -> list[int]:
         consumer = self._consumers.get(consumer_tag)

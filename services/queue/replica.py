@@ -37,7 +37,16 @@ from services.gm.messages import Joined, MembersChanged, Stopped
 from services.queue import wire
 from services.queue.contents import QueueContents
 from services.queue.group_commit import GroupCommitter
-from services.queue.master import Delivery, Publish, PublishOutcome, QueueError, QueueLimits, QueueMaster, Step
+from services.queue.master import (
+    Delivery,
+    Publish,
+    PublishOutcome,
+    QueueError,
+    QueueLimits,
+    QueueMaster,
+    Settlement,
+    Step,
+)
 from services.queue.message_log import FileMessageLog
 from services.queue.mirror import QueueMirror
 from services.queue.ops import Desynchronised, Discard, Enqueue, Settle, Synchronised, SyncRequest
@@ -259,12 +268,20 @@ class QueueReplica:
             await self._carry_out(self.master.cancel(tag))
 
     async def settle(self, tag: str, delivery_tag: int, multiple: bool, kind: str) -> None:
-        master = self._require_master()
-        if kind == "ack":
-            step = master.ack(tag, delivery_tag, multiple)
-        else:
-            step = master.nack(tag, delivery_tag, multiple, requeue=kind == "requeue")
+        """Settle one delivery (a unary Settle); returns once the ring confirmed it."""
+        step, error = self._require_master().settle(tag, [Settlement(delivery_tag, multiple, kind)])
         await self._carry_out(step)
+        if error is not None:
+            raise error
+
+    def settle_now(self, tag: str, settlements: list[Settlement]) -> QueueError | None:
+        """Settle a run of deliveries from a consume stream in one step, without
+        waiting for the ring (the consumer does not need to know when an ack is
+        replicated: an ack lost with a crashed master means a redelivery, flagged).
+        Returns the error of the first unknown delivery tag, if any."""
+        step, error = self._require_master().settle(tag, settlements)
+        self._spawn(self._carry_out(step))
+        return error
 
     async def get(self, no_ack: bool) -> Delivery | None:
         step, delivery = self._require_master().get(no_ack)

@@ -29,7 +29,7 @@ from ringq.v1 import queue_pb2, queue_pb2_grpc
 from services.coordinator.client import CoordinatorClient
 from services.coordinator.metadata import QueueRecord
 from services.queue.manager import QueueManager
-from services.queue.master import Delivery, PublishOutcome, QueueError
+from services.queue.master import Delivery, PublishOutcome, QueueError, Settlement
 from services.queue.master import Publish as Outgoing
 from services.queue.replica import QueueReplica
 
@@ -46,6 +46,11 @@ _SETTLE = {
     queue_pb2.SETTLE_KIND_REQUEUE: "requeue",
     queue_pb2.SETTLE_KIND_REJECT: "reject",
 }
+
+
+def _settlement(settlement: queue_pb2.Settlement) -> Settlement | None:
+    kind = _SETTLE.get(settlement.kind)
+    return None if kind is None else Settlement(settlement.delivery_tag, settlement.multiple, kind)
 
 
 def _vhost(ref: queue_pb2.QueueRef) -> str:
@@ -357,29 +362,77 @@ class QueueServicer(queue_pb2_grpc.QueueServiceServicer):
         await call.done_writing()
 
     async def Consume(
-        self, request: queue_pb2.ConsumeRequest, context: _Context
+        self, requests: AsyncIterator[queue_pb2.ConsumeRequest], context: _Context
     ) -> AsyncIterator[queue_pb2.QueueDelivery]:
-        replica, stub, record = await self._route(request.queue, context)
+        first = await anext(aiter(requests), None)
+        if first is None:
+            return
+        if first.settlements:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the first consume request attaches: no settlements")
+        replica, stub, record = await self._route(first.queue, context)
         if stub is not None:
-            try:
-                async for delivery in stub.Consume(request):
-                    yield delivery
-            except grpc.aio.AioRpcError as error:
-                await context.abort(error.code(), error.details() or "")
+            async for delivery in self._forward_consume(first, requests, stub, context):
+                yield delivery
             return
         assert replica is not None
-        tag = request.consumer_tag or f"{self.node_id}.{uuid.uuid4().hex[:12]}"
+        tag = first.consumer_tag or f"{self.node_id}.{uuid.uuid4().hex[:12]}"
         try:
-            consumer = await replica.consume(tag, request.prefetch, request.priority)
+            consumer = await replica.consume(tag, first.prefetch, first.priority)
         except QueueError as error:
             await self._queue_error(context, error)
+        refused: list[str] = []
+
+        async def settle_from_stream() -> None:
+            async for request in requests:
+                settlements = [_settlement(s) for s in request.settlements]
+                error = (
+                    QueueError("INVALID_ARGUMENT", "a settlement's kind must be ACK, REQUEUE or REJECT")
+                    if None in settlements
+                    else replica.settle_now(tag, [s for s in settlements if s is not None])
+                )
+                if error is not None:
+                    refused.append(error.code)
+                    refused.append(str(error))
+                    consumer.deliveries.put_nowait(None)
+                    return
+
+        settler = asyncio.ensure_future(settle_from_stream())
         try:
-            while (delivery := await consumer.deliveries.get()) is not None:
-                yield _delivery(delivery)
+            while (ready := await consumer.deliveries.get()) is not None:
+                yield _delivery(ready)
+            if refused:
+                await context.abort(grpc.StatusCode[refused[0]], refused[1])
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"queue {record.name!r}: its master moved; resume")
         finally:
+            settler.cancel()
             with contextlib.suppress(Exception):
                 await replica.cancel(tag)
+
+    async def _forward_consume(
+        self,
+        first: queue_pb2.ConsumeRequest,
+        requests: AsyncIterator[queue_pb2.ConsumeRequest],
+        stub: Any,
+        context: _Context,
+    ) -> AsyncIterator[queue_pb2.QueueDelivery]:
+        """Proxy a consume stream to the master's node, settlements included."""
+        call = stub.Consume()
+
+        async def pump() -> None:
+            with contextlib.suppress(grpc.aio.AioRpcError, asyncio.InvalidStateError):
+                await call.write(first)
+                async for request in requests:
+                    await call.write(request)
+
+        pumping = asyncio.ensure_future(pump())
+        try:
+            async for delivery in call:
+                yield delivery
+        except grpc.aio.AioRpcError as error:
+            await context.abort(error.code(), error.details() or "")
+        finally:
+            pumping.cancel()
+            call.cancel()
 
     async def Settle(self, request: queue_pb2.SettleRequest, context: _Context) -> queue_pb2.SettleResponse:
         kind = _SETTLE.get(request.kind)

@@ -1,1 +1,12 @@
-"""ringq: the Python client of the ringq broker. `ringq.v1` holds the code generated from protos/."""
+"""ringq: the Python SDK of the ringq broker.
+
+`ringq.Connection` (blocking) and `ringq.aio.Connection` (asyncio) give
+producers with confirms, consumers with acks, and queue administration;
+`ringq.Admin` / `ringq.aio.Admin` manage policies and the cluster through the
+coordinator. `ringq.v1` holds the code generated from protos/.
+"""
+
+from ringq.aio import Delivery, Outcome
+from ringq.blocking import Admin, Connection, Consumer, Producer
+
+__all__ = ["Admin", "Connection", "Consumer", "Delivery", "Outcome", "Producer"]

@@ -1,0 +1,709 @@
+"""The asyncio API of the ringq Python SDK: Connection, Producer, Consumer, Admin.
+
+Responsible for: talking to any node of a cluster (a list of addresses; on
+UNAVAILABLE the next one), publishing with confirms, consuming with
+prefetch and acknowledgements, and administering queues and policies. The
+blocking API (`ringq.Connection`, ringq/blocking.py) runs this one on a
+background event loop.
+
+Guarantees:
+- A `Producer` numbers its messages (publisher id + seq from 1) and keeps
+  at most `window` of them unconfirmed (`send` waits for room: back-pressure).
+  When its stream breaks (a master failover) it resends every unconfirmed
+  message, in order, on a new stream (through another node if need be); the
+  queue drops those it already holds, so a confirmed message is in the queue
+  exactly once and a publisher's messages keep their order. Retries follow a
+  bounded tenacity policy (`retry_for` seconds without progress); when it
+  runs out, the pending futures fail with the last error (a nack).
+- A `Consumer` acknowledges on its own stream (acks cost no call each and
+  reach the node of the consumer, in order). After a failover it resumes on
+  any node; deliveries it had not settled come back flagged redelivered,
+  and settling one of the old stream's deliveries returns False.
+
+    async with Connection(["127.0.0.1:7101", "127.0.0.1:7102"]) as connection:
+        await connection.declare_queue("orders", durable=True)
+        producer = connection.producer("orders")
+        await producer.publish(b"hello")                  # returns once confirmed
+        async for delivery in connection.consumer("orders", prefetch=100):
+            print(delivery.body)
+            delivery.ack()
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import json
+import threading
+import uuid
+from collections import deque
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+from opentelemetry import trace
+from tenacity import AsyncRetrying, retry_if_exception, stop_after_delay, wait_exponential
+
+from ringq import tracing
+from ringq.history import History
+from ringq.v1 import coordinator_pb2, coordinator_pb2_grpc, queue_pb2, queue_pb2_grpc
+
+CHANNEL_OPTIONS = [
+    ("grpc.max_send_message_length", 64 * 1024 * 1024),
+    ("grpc.max_receive_message_length", 64 * 1024 * 1024),
+    ("grpc.initial_reconnect_backoff_ms", 50),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+]
+RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.ABORTED)
+# A stream the broker ended while we were still writing to it reports INTERNAL
+# ("Failed execute_batch") rather than the broker's status: retry it too.
+STREAM_RETRYABLE = (*RETRYABLE, grpc.StatusCode.INTERNAL)
+_KINDS = {
+    "ack": queue_pb2.SETTLE_KIND_ACK,
+    "requeue": queue_pb2.SETTLE_KIND_REQUEUE,
+    "reject": queue_pb2.SETTLE_KIND_REJECT,
+}
+
+
+def _retryable(codes: tuple[grpc.StatusCode, ...]) -> Callable[[BaseException], bool]:
+    def check(error: BaseException) -> bool:
+        return isinstance(error, grpc.aio.AioRpcError) and error.code() in codes
+
+    return check
+
+
+class Outcome(enum.Enum):
+    """What the queue did with a published message."""
+
+    CONFIRMED = "confirmed"  # the queue holds it where its confirm promises
+    DUPLICATE = "duplicate"  # it already had it (a retry): nothing added
+    REJECTED = "rejected"  # the queue is full (overflow reject-publish): not added
+
+
+_OUTCOMES = {
+    queue_pb2.PUBLISH_OUTCOME_CONFIRMED: Outcome.CONFIRMED,
+    queue_pb2.PUBLISH_OUTCOME_DUPLICATE: Outcome.DUPLICATE,
+    queue_pb2.PUBLISH_OUTCOME_REJECTED: Outcome.REJECTED,
+}
+
+
+class Connection:
+    """A connection to a ringq cluster through any of its nodes.
+
+    `retry_for`: how long calls and streams keep retrying through a failover
+    without progress before giving up. `history`: a file to record this
+    client's events in (docs/observability.md), default $RINGQ_HISTORY.
+    """
+
+    def __init__(
+        self,
+        addresses: Sequence[str] | str,
+        *,
+        vhost: str = "/",
+        name: str | None = None,
+        history: str | None = None,
+        retry_for: float = 30.0,
+        call_timeout: float = 10.0,
+    ) -> None:
+        self.addresses = [addresses] if isinstance(addresses, str) else list(addresses)
+        if not self.addresses:
+            raise ValueError("a connection needs at least one node address")
+        self.vhost = vhost
+        self.name = name or f"client-{uuid.uuid4().hex[:8]}"
+        self.history = History(history, self.name)
+        self.retry_for = retry_for
+        self.call_timeout = call_timeout
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._current = 0
+        self._closing: list[Callable[[], Awaitable[None]]] = []
+        tracing.configure("ringq-client", self.name)
+
+    async def __aenter__(self) -> Connection:
+        return self
+
+    async def __aexit__(self, *_: object) -> None:
+        await self.close()
+
+    # ----------------------------------------------------------- plumbing
+
+    @property
+    def address(self) -> str:
+        """The node this connection talks to now."""
+        return self.addresses[self._current]
+
+    def stub(self) -> Any:  # grpc's stubs type aio calls as sync ones
+        channel = self._channels.get(self.address)
+        if channel is None:
+            channel = self._channels[self.address] = grpc.aio.insecure_channel(self.address, options=CHANNEL_OPTIONS)
+        return queue_pb2_grpc.QueueServiceStub(channel)
+
+    def failed(self) -> None:
+        """The current node did not answer: use the next one."""
+        self._current = (self._current + 1) % len(self.addresses)
+
+    def retrying(self, codes: tuple[grpc.StatusCode, ...] = RETRYABLE) -> AsyncRetrying:
+        """The bounded retry policy: exponential backoff from 50 ms to 1 s, for `retry_for` seconds."""
+
+        async def next_node(_: Any) -> None:
+            self.failed()
+
+        return AsyncRetrying(
+            retry=retry_if_exception(_retryable(codes)),
+            wait=wait_exponential(multiplier=0.05, max=1.0),
+            stop=stop_after_delay(self.retry_for),
+            before_sleep=next_node,
+            reraise=True,
+        )
+
+    def ref(self, queue: str) -> queue_pb2.QueueRef:
+        return queue_pb2.QueueRef(vhost=self.vhost, queue=queue)
+
+    async def call(self, method: str, request: Any) -> Any:
+        """A unary QueueService call, retried on other nodes while the cluster is in transition."""
+        async for attempt in self.retrying():
+            with attempt:
+                return await getattr(self.stub(), method)(request, timeout=self.call_timeout)
+        raise AssertionError("unreachable")
+
+    # ------------------------------------------------------------- queues
+
+    async def declare_queue(
+        self,
+        queue: str,
+        *,
+        durable: bool = False,
+        auto_delete: bool = False,
+        exclusive_owner: str = "",
+        arguments: Mapping[str, Any] | None = None,
+    ) -> queue_pb2.QueueInfo:
+        """Declare `queue` (or find it, if it exists with the same properties).
+        `arguments`: e.g. {"x-single-active-consumer": True} (values sent as JSON)."""
+        texts = {k: v if isinstance(v, str) else json.dumps(v) for k, v in (arguments or {}).items()}
+        request = queue_pb2.QueueDeclareRequest(
+            queue=self.ref(queue),
+            durable=durable,
+            auto_delete=auto_delete,
+            exclusive_owner=exclusive_owner,
+            arguments=texts,
+        )
+        info: queue_pb2.QueueInfo = await self.call("DeclareQueue", request)
+        return info
+
+    async def delete_queue(self, queue: str, *, if_unused: bool = False, if_empty: bool = False) -> int:
+        """Delete `queue`; returns how many messages went with it."""
+        request = queue_pb2.QueueDeleteRequest(queue=self.ref(queue), if_unused=if_unused, if_empty=if_empty)
+        response: queue_pb2.QueueDeleteResponse = await self.call("DeleteQueue", request)
+        return response.messages_deleted
+
+    async def purge_queue(self, queue: str) -> int:
+        """Remove every ready message; returns how many."""
+        response: queue_pb2.PurgeQueueResponse = await self.call("PurgeQueue", self.ref(queue))
+        return response.messages_purged
+
+    async def queue_status(self, queue: str) -> queue_pb2.QueueInfo:
+        """Depth, consumers, master, mirrors and sync state of `queue`."""
+        info: queue_pb2.QueueInfo = await self.call("QueueStatus", self.ref(queue))
+        return info
+
+    async def get(self, queue: str, *, no_ack: bool = False) -> Delivery | None:
+        """Take one message, if any; settle it with `settle` unless `no_ack`."""
+        request = queue_pb2.GetRequest(queue=self.ref(queue), no_ack=no_ack)
+        response: queue_pb2.GetResponse = await self.call("Get", request)
+        if not response.found:
+            return None
+        return Delivery(response.delivery, queue, None, 0)
+
+    async def settle(self, delivery: Delivery, kind: str = "ack", *, multiple: bool = False) -> None:
+        """Settle a delivery of `get` ("ack", "requeue" or "reject")."""
+        request = queue_pb2.SettleRequest(
+            queue=self.ref(delivery.queue),
+            consumer_tag=delivery.consumer_tag,
+            delivery_tag=delivery.delivery_tag,
+            multiple=multiple,
+            kind=_KINDS[kind],
+        )
+        await self.call("Settle", request)
+
+    # ----------------------------------------------- producers, consumers
+
+    def producer(
+        self,
+        queue: str,
+        *,
+        publisher_id: str | None = None,
+        window: int = 1000,
+        batch: int = 100,
+        persistent: bool = False,
+    ) -> Producer:
+        """A producer for `queue`. `persistent` messages of durable queues are on disk when confirmed."""
+        producer = Producer(self, queue, publisher_id or uuid.uuid4().hex, window, batch, persistent)
+        self._closing.append(producer.close)
+        return producer
+
+    def consumer(self, queue: str, *, prefetch: int = 100, priority: int = 0, consumer_tag: str = "") -> Consumer:
+        """A consumer of `queue` (starts when first iterated or `start`ed)."""
+        consumer = Consumer(self, queue, prefetch, priority, consumer_tag)
+        self._closing.append(consumer.close)
+        return consumer
+
+    async def close(self) -> None:
+        """Flush producers, cancel consumers, close the channels."""
+        for close in reversed(self._closing):
+            with contextlib.suppress(Exception):
+                await close()
+        self._closing.clear()
+        for channel in self._channels.values():
+            await channel.close(None)
+        self._channels.clear()
+        self.history.close()
+
+
+@dataclass
+class _Pending:
+    body: bytes
+    headers: dict[str, str]
+    persistent: bool
+    future: asyncio.Future[Outcome]
+    span: trace.Span | None = None
+
+
+class Producer:
+    """Publishes to one queue with confirms, an idempotent publisher id and a bounded window."""
+
+    def __init__(
+        self, connection: Connection, queue: str, publisher_id: str, window: int, batch: int, persistent: bool
+    ) -> None:
+        if window < 1 or batch < 1:
+            raise ValueError("window and batch must be at least 1")
+        self.connection = connection
+        self.queue = queue
+        self.publisher_id = publisher_id
+        self.window = window
+        self.batch = batch
+        self.persistent = persistent
+        self.next_seq = 1
+        self.resends = 0  # streams reopened after a break
+        self._unconfirmed: dict[int, _Pending] = {}
+        self._unsent: deque[int] = deque()
+        self._room = asyncio.Semaphore(window)
+        self._wake = asyncio.Event()
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._runner: asyncio.Task[None] | None = None
+        self._closing = False
+
+    @property
+    def unconfirmed(self) -> int:
+        return len(self._unconfirmed)
+
+    async def send(
+        self,
+        body: bytes,
+        *,
+        headers: Mapping[str, str] | None = None,
+        persistent: bool | None = None,
+        callback: Callable[[asyncio.Future[Outcome]], None] | None = None,
+    ) -> asyncio.Future[Outcome]:
+        """Queue `body` for publishing once the window has room; returns a future of its outcome."""
+        if self._closing:
+            raise RuntimeError("the producer is closed")
+        await self._room.acquire()
+        seq = self.next_seq
+        self.next_seq += 1
+        future: asyncio.Future[Outcome] = asyncio.get_running_loop().create_future()
+        if callback is not None:
+            future.add_done_callback(callback)
+        pending = _Pending(body, dict(headers or {}), self.persistent if persistent is None else persistent, future)
+        history = self.connection.history
+        if tracing.enabled():
+            pending.span = tracing.tracer().start_span(
+                "ringq.publish",
+                kind=trace.SpanKind.PRODUCER,
+                attributes={"ringq.queue": self.queue, "ringq.publisher": self.publisher_id, "ringq.seq": seq},
+            )
+            tracing.inject(pending.headers, pending.span)
+        if history.on:
+            history.record("publish", queue=self.queue, publisher=self.publisher_id, seq=seq)
+        self._unconfirmed[seq] = pending
+        self._unsent.append(seq)
+        self._idle.clear()
+        self._wake.set()
+        if self._runner is None or self._runner.done():
+            self._runner = asyncio.ensure_future(self._run())
+        return future
+
+    async def publish(self, body: bytes, **options: Any) -> Outcome:
+        """Publish one message and wait for its confirm."""
+        return await (await self.send(body, **options))
+
+    async def publish_many(self, bodies: Sequence[bytes], **options: Any) -> list[Outcome]:
+        """Publish messages in order and wait for every confirm."""
+        futures = [await self.send(body, **options) for body in bodies]
+        return list(await asyncio.gather(*futures))
+
+    async def flush(self) -> None:
+        """Wait until every message sent so far is confirmed (or failed)."""
+        await self._idle.wait()
+
+    async def close(self) -> None:
+        """Flush, then end the stream."""
+        await self.flush()
+        self._closing = True
+        self._wake.set()
+        if self._runner is not None:
+            self._runner.cancel()
+            with contextlib.suppress(asyncio.CancelledError, grpc.aio.AioRpcError):
+                await self._runner
+
+    # ----------------------------------------------------------- the stream
+
+    async def _run(self) -> None:
+        """Keep a publish stream open while messages are unconfirmed; fail them when retries run out."""
+        try:
+            while self._unconfirmed:
+                async for attempt in self.connection.retrying(STREAM_RETRYABLE):
+                    with attempt:
+                        await self._stream()
+        except grpc.aio.AioRpcError as error:
+            self._fail_all(error)
+
+    async def _stream(self) -> None:
+        call = self.connection.stub().Publish()
+        self._unsent = deque(sorted(self._unconfirmed))  # everything unconfirmed goes (again), in order
+        progressed = False
+
+        async def write() -> None:
+            # A write fails once the broker ended the stream; the reader then sees the real status.
+            with contextlib.suppress(grpc.aio.AioRpcError, asyncio.InvalidStateError):
+                while self._unconfirmed or not self._closing:
+                    if not self._unsent:
+                        self._wake.clear()
+                        await self._wake.wait()
+                        continue
+                    seqs = [self._unsent.popleft() for _ in range(min(self.batch, len(self._unsent)))]
+                    messages = [self._message(seq) for seq in seqs if seq in self._unconfirmed]
+                    await call.write(
+                        queue_pb2.PublishRequest(
+                            queue=self.connection.ref(self.queue), publisher=self.publisher_id, messages=messages
+                        )
+                    )
+
+        writer = asyncio.ensure_future(write())
+        try:
+            async for response in call:
+                for seq, outcome in zip(response.seqs, response.outcomes, strict=True):
+                    self._settled(seq, _OUTCOMES.get(outcome, Outcome.CONFIRMED))
+                progressed = True
+                if not self._unconfirmed:
+                    self._idle.set()
+        except grpc.aio.AioRpcError as error:
+            if error.code() not in STREAM_RETRYABLE:
+                raise
+            self.resends += 1
+            if progressed:  # a failover after progress starts a fresh retry budget
+                self.connection.failed()
+                return
+            raise
+        finally:
+            writer.cancel()
+            call.cancel()
+
+    def _message(self, seq: int) -> queue_pb2.OutgoingMessage:
+        pending = self._unconfirmed[seq]
+        return queue_pb2.OutgoingMessage(
+            body=pending.body, seq=seq, persistent=pending.persistent, headers=pending.headers
+        )
+
+    def _settled(self, seq: int, outcome: Outcome) -> None:
+        pending = self._unconfirmed.pop(seq, None)
+        if pending is None:
+            return
+        self._room.release()
+        if pending.span is not None:
+            pending.span.set_attribute("ringq.outcome", outcome.value)
+            pending.span.end()
+        history = self.connection.history
+        if history.on:
+            history.record("confirm", queue=self.queue, publisher=self.publisher_id, seq=seq, outcome=outcome.value)
+        if not pending.future.done():
+            pending.future.set_result(outcome)
+
+    def _fail_all(self, error: grpc.aio.AioRpcError) -> None:
+        history = self.connection.history
+        for seq, pending in sorted(self._unconfirmed.items()):
+            self._room.release()
+            if pending.span is not None:
+                pending.span.set_status(trace.StatusCode.ERROR, str(error.code()))
+                pending.span.end()
+            if history.on:
+                history.record("nack", queue=self.queue, publisher=self.publisher_id, seq=seq, error=str(error.code()))
+            if not pending.future.done():
+                pending.future.set_exception(error)
+        self._unconfirmed.clear()
+        self._idle.set()
+
+
+class Delivery:
+    """A message delivered to a consumer (or taken by `get`)."""
+
+    def __init__(self, message: queue_pb2.QueueDelivery, queue: str, consumer: Consumer | None, stream: int) -> None:
+        self.queue = queue
+        self.body = message.body
+        self.headers = dict(message.headers)
+        self.redelivered = message.redelivered
+        self.delivery_count = message.delivery_count
+        self.publisher = message.publisher
+        self.seq = message.seq
+        self.message_id = message.message_id
+        self.consumer_tag = message.consumer_tag
+        self.delivery_tag = message.delivery_tag
+        self._consumer = consumer
+        self._stream = stream
+
+    def __repr__(self) -> str:
+        return (
+            f"Delivery(queue={self.queue!r}, publisher={self.publisher!r}, seq={self.seq}, "
+            f"message_id={self.message_id}, redelivered={self.redelivered})"
+        )
+
+    def ack(self, *, multiple: bool = False) -> bool:
+        """Acknowledge (processed). False if its consumer's stream is gone (it comes back redelivered)."""
+        return self._settle("ack", multiple)
+
+    def nack(self, *, requeue: bool = True, multiple: bool = False) -> bool:
+        """Negative acknowledgement: requeue it (default) or drop / dead-letter it."""
+        return self._settle("requeue" if requeue else "reject", multiple)
+
+    def reject(self) -> bool:
+        """Drop it (dead-lettered if the queue says so)."""
+        return self._settle("reject", False)
+
+    def _settle(self, kind: str, multiple: bool) -> bool:
+        if self._consumer is None:
+            raise RuntimeError("a delivery of get() is settled with Connection.settle()")
+        return self._consumer.settle(self, kind, multiple)
+
+
+@dataclass
+class _Stream:
+    """One Consume stream of a consumer: deliveries of an earlier stream cannot be settled on it."""
+
+    number: int
+    settlements: list[queue_pb2.Settlement] = field(default_factory=list)
+    wake: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+class Consumer:
+    """Consumes one queue: iterate it (`async for delivery in consumer`) or `run(callback)`."""
+
+    def __init__(self, connection: Connection, queue: str, prefetch: int, priority: int, consumer_tag: str) -> None:
+        self.connection = connection
+        self.queue = queue
+        self.prefetch = prefetch
+        self.priority = priority
+        self.consumer_tag = consumer_tag
+        self.resumes = 0  # streams reopened after a failover
+        self._deliveries: asyncio.Queue[Delivery | BaseException | None] = asyncio.Queue()
+        self._stream = _Stream(0)
+        self._runner: asyncio.Task[None] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._loop_thread = 0
+
+    def start(self) -> None:
+        """Attach the consumer now (iterating starts it too)."""
+        if self._runner is None:
+            self._loop = asyncio.get_running_loop()
+            self._loop_thread = threading.get_ident()
+            self._runner = asyncio.ensure_future(self._run())
+
+    def __aiter__(self) -> AsyncIterator[Delivery]:
+        self.start()
+        return self
+
+    async def __anext__(self) -> Delivery:
+        self.start()
+        item = await self._deliveries.get()
+        if item is None:
+            self._deliveries.put_nowait(None)
+            raise StopAsyncIteration
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    async def run(self, callback: Callable[[Delivery], Awaitable[None] | None]) -> None:
+        """Call `callback` with each delivery until the consumer is closed (it settles them)."""
+        async for delivery in self:
+            result = callback(delivery)
+            if result is not None:
+                await result
+
+    def settle(self, delivery: Delivery, kind: str, multiple: bool) -> bool:
+        """Queue a settlement on the stream `delivery` came from (thread-safe); False if that stream is gone."""
+        stream = self._stream
+        if delivery._stream != stream.number:
+            return False
+        settlement = queue_pb2.Settlement(delivery_tag=delivery.delivery_tag, multiple=multiple, kind=_KINDS[kind])
+        if self._loop is not None and threading.get_ident() != self._loop_thread:
+            self._loop.call_soon_threadsafe(self._queue_settlement, stream, settlement)
+        else:
+            self._queue_settlement(stream, settlement)
+        if tracing.enabled():
+            tracing.event_span("ringq.ack", delivery.headers, self._attributes(delivery) | {"ringq.settle": kind})
+        history = self.connection.history
+        if history.on and kind == "ack":
+            history.record(
+                "ack", queue=self.queue, publisher=delivery.publisher, seq=delivery.seq, message_id=delivery.message_id
+            )
+        return True
+
+    def _queue_settlement(self, stream: _Stream, settlement: queue_pb2.Settlement) -> None:
+        stream.settlements.append(settlement)
+        stream.wake.set()
+
+    async def close(self) -> None:
+        """Cancel the consumer; what it had not settled is requeued by the queue."""
+        if self._runner is not None:
+            self._runner.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._runner
+        self._deliveries.put_nowait(None)
+
+    def _attributes(self, delivery: Delivery) -> dict[str, Any]:
+        return {
+            "ringq.queue": self.queue,
+            "ringq.message_id": delivery.message_id,
+            "ringq.publisher": delivery.publisher,
+            "ringq.seq": delivery.seq,
+            "ringq.redelivered": delivery.redelivered,
+        }
+
+    async def _run(self) -> None:
+        try:
+            while True:
+                async for attempt in self.connection.retrying(STREAM_RETRYABLE):
+                    with attempt:
+                        await self._consume()
+        except grpc.aio.AioRpcError as error:
+            self._deliveries.put_nowait(error)
+
+    async def _consume(self) -> None:
+        stream = self._stream = _Stream(self._stream.number + 1)
+        call = self.connection.stub().Consume()
+        attach = queue_pb2.ConsumeRequest(
+            queue=self.connection.ref(self.queue),
+            consumer_tag=self.consumer_tag,
+            prefetch=self.prefetch,
+            priority=self.priority,
+        )
+
+        async def write() -> None:
+            with contextlib.suppress(grpc.aio.AioRpcError, asyncio.InvalidStateError):
+                await call.write(attach)
+                while True:
+                    await stream.wake.wait()
+                    stream.wake.clear()
+                    settlements, stream.settlements = stream.settlements, []
+                    await call.write(queue_pb2.ConsumeRequest(settlements=settlements))
+
+        writer = asyncio.ensure_future(write())
+        progressed = False
+        history = self.connection.history
+        try:
+            async for message in call:
+                delivery = Delivery(message, self.queue, self, stream.number)
+                progressed = True
+                if tracing.enabled():
+                    tracing.event_span("ringq.receive", delivery.headers, self._attributes(delivery))
+                if history.on:
+                    history.record(
+                        "deliver",
+                        queue=self.queue,
+                        publisher=delivery.publisher,
+                        seq=delivery.seq,
+                        message_id=delivery.message_id,
+                        redelivered=delivery.redelivered,
+                        delivery_count=delivery.delivery_count,
+                    )
+                self._deliveries.put_nowait(delivery)
+            raise grpc.aio.AioRpcError(  # the broker ended the stream: treat it as a node going away
+                grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(), "the consume stream ended", None
+            )
+        except grpc.aio.AioRpcError as error:
+            if error.code() not in STREAM_RETRYABLE:
+                raise
+            self.resumes += 1
+            if progressed:
+                self.connection.failed()
+                return
+            raise
+        finally:
+            writer.cancel()
+            call.cancel()
+
+
+class Admin:
+    """Policies and cluster status, through the coordinator(s); queues through `Connection`.
+
+        admin = Admin(["127.0.0.1:7000"])
+        await admin.set_policy("ha-two", "^ha\\.", {"ha-mode": "exactly", "ha-params": 2})
+    """
+
+    def __init__(self, coordinators: Sequence[str] | str, *, vhost: str = "/", timeout: float = 5.0) -> None:
+        self.addresses = [coordinators] if isinstance(coordinators, str) else list(coordinators)
+        self.vhost = vhost
+        self.timeout = timeout
+        self._channels: dict[str, grpc.aio.Channel] = {}
+
+    async def _call(self, method: str, request: Any) -> Any:
+        last: grpc.aio.AioRpcError | None = None
+        for address in self.addresses:
+            channel = self._channels.get(address)
+            if channel is None:
+                channel = self._channels[address] = grpc.aio.insecure_channel(address)
+            stub = coordinator_pb2_grpc.CoordinatorServiceStub(channel)
+            try:
+                return await getattr(stub, method)(request, timeout=self.timeout)
+            except grpc.aio.AioRpcError as error:
+                if error.code() not in RETRYABLE:
+                    raise
+                last = error
+        assert last is not None
+        raise last
+
+    async def set_policy(
+        self, name: str, pattern: str, definition: Mapping[str, Any], *, priority: int = 0, apply_to: str = "queues"
+    ) -> None:
+        """Create or replace a policy (RabbitMQ's keys: ha-mode, ha-params, ha-sync-mode, message-ttl, ...)."""
+        policy = coordinator_pb2.Policy(
+            vhost=self.vhost,
+            name=name,
+            pattern=pattern,
+            definition_json=json.dumps(dict(definition)),
+            priority=priority,
+            apply_to=apply_to,
+        )
+        await self._call("SetPolicy", coordinator_pb2.SetPolicyRequest(policy=policy))
+
+    async def clear_policy(self, name: str) -> None:
+        await self._call("ClearPolicy", coordinator_pb2.ClearPolicyRequest(vhost=self.vhost, name=name))
+
+    async def list_policies(self) -> list[coordinator_pb2.Policy]:
+        response = await self._call("ListPolicies", coordinator_pb2.ListPoliciesRequest(vhost=self.vhost))
+        return list(response.policies)
+
+    async def list_queues(self) -> list[coordinator_pb2.QueueRecord]:
+        response = await self._call("ListQueues", coordinator_pb2.ListQueuesRequest(vhost=self.vhost))
+        return list(response.queues)
+
+    async def cluster_status(self) -> coordinator_pb2.ClusterStatusResponse:
+        response: coordinator_pb2.ClusterStatusResponse = await self._call(
+            "ClusterStatus", coordinator_pb2.ClusterStatusRequest()
+        )
+        return response
+
+    async def close(self) -> None:
+        for channel in self._channels.values():
+            await channel.close(None)
+        self._channels.clear()

@@ -1,0 +1,193 @@
+"""The blocking API of the ringq Python SDK, for code without an event loop.
+
+Responsible for: the same Connection / Producer / Consumer / Admin as
+ringq/aio.py, run on one background event-loop thread shared by every
+blocking connection of the process. Guarantees: those of ringq/aio.py;
+`Producer.send` blocks while the window is full (back-pressure) and returns a
+`concurrent.futures.Future`; callbacks run on the background thread.
+
+    from ringq import Connection
+
+    with Connection(["127.0.0.1:7101", "127.0.0.1:7102"]) as connection:
+        connection.declare_queue("orders", durable=True)
+        producer = connection.producer("orders")
+        producer.publish(b"hello")                         # returns once confirmed
+        for delivery in connection.consumer("orders", prefetch=100):
+            print(delivery.body)
+            delivery.ack()
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import threading
+from collections.abc import Callable, Coroutine, Iterator, Mapping, Sequence
+from typing import Any, TypeVar
+
+from ringq import aio
+from ringq.aio import Delivery, Outcome
+from ringq.v1 import coordinator_pb2, queue_pb2
+
+T = TypeVar("T")
+_loop_lock = threading.Lock()
+_loop: asyncio.AbstractEventLoop | None = None
+
+
+def _background_loop() -> asyncio.AbstractEventLoop:
+    global _loop
+    with _loop_lock:
+        if _loop is None:
+            loop = asyncio.new_event_loop()
+            threading.Thread(target=loop.run_forever, name="ringq-sdk", daemon=True).start()
+            _loop = loop
+        return _loop
+
+
+def _run(coroutine: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
+    return asyncio.run_coroutine_threadsafe(coroutine, _background_loop()).result(timeout)
+
+
+async def _made(factory: Callable[[], T]) -> T:
+    return factory()
+
+
+class Connection:
+    """A blocking connection to a ringq cluster; see ringq.aio.Connection for the arguments."""
+
+    def __init__(self, addresses: Sequence[str] | str, **options: Any) -> None:
+        self.aio: aio.Connection = _run(_made(lambda: aio.Connection(addresses, **options)))
+
+    def __enter__(self) -> Connection:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.close()
+
+    def declare_queue(self, queue: str, **options: Any) -> queue_pb2.QueueInfo:
+        return _run(self.aio.declare_queue(queue, **options))
+
+    def delete_queue(self, queue: str, **options: Any) -> int:
+        return _run(self.aio.delete_queue(queue, **options))
+
+    def purge_queue(self, queue: str) -> int:
+        return _run(self.aio.purge_queue(queue))
+
+    def queue_status(self, queue: str) -> queue_pb2.QueueInfo:
+        return _run(self.aio.queue_status(queue))
+
+    def get(self, queue: str, *, no_ack: bool = False) -> Delivery | None:
+        return _run(self.aio.get(queue, no_ack=no_ack))
+
+    def settle(self, delivery: Delivery, kind: str = "ack", *, multiple: bool = False) -> None:
+        _run(self.aio.settle(delivery, kind, multiple=multiple))
+
+    def producer(self, queue: str, **options: Any) -> Producer:
+        return Producer(_run(_made(lambda: self.aio.producer(queue, **options))))
+
+    def consumer(self, queue: str, **options: Any) -> Consumer:
+        return Consumer(_run(_made(lambda: self.aio.consumer(queue, **options))))
+
+    def close(self) -> None:
+        _run(self.aio.close())
+
+
+class Producer:
+    """Blocking producer: `publish` waits for the confirm, `send` only for room in the window."""
+
+    def __init__(self, producer: aio.Producer) -> None:
+        self.aio = producer
+
+    def send(
+        self,
+        body: bytes,
+        *,
+        headers: Mapping[str, str] | None = None,
+        persistent: bool | None = None,
+        callback: Callable[[concurrent.futures.Future[Outcome]], None] | None = None,
+    ) -> concurrent.futures.Future[Outcome]:
+        """Queue `body` (blocks while the window is full); the future completes with its outcome."""
+        result: concurrent.futures.Future[Outcome] = concurrent.futures.Future()
+        if callback is not None:
+            result.add_done_callback(callback)
+
+        async def send() -> None:
+            future = await self.aio.send(body, headers=headers, persistent=persistent)
+            future.add_done_callback(lambda done: _copy(done, result))
+
+        _run(send())
+        return result
+
+    def publish(self, body: bytes, **options: Any) -> Outcome:
+        return self.send(body, **options).result()
+
+    def publish_many(self, bodies: Sequence[bytes], **options: Any) -> list[Outcome]:
+        return _run(self.aio.publish_many(bodies, **options))
+
+    def flush(self) -> None:
+        _run(self.aio.flush())
+
+    def close(self) -> None:
+        _run(self.aio.close())
+
+
+def _copy(done: asyncio.Future[Outcome], result: concurrent.futures.Future[Outcome]) -> None:
+    error = done.exception()
+    if error is not None:
+        result.set_exception(error)
+    else:
+        result.set_result(done.result())
+
+
+class Consumer:
+    """Blocking consumer: iterate it, or `run(callback)`; settle with `delivery.ack()` etc."""
+
+    def __init__(self, consumer: aio.Consumer) -> None:
+        self.aio = consumer
+
+    def __iter__(self) -> Iterator[Delivery]:
+        while True:
+            try:
+                yield _run(self.aio.__anext__())
+            except StopAsyncIteration:
+                return
+
+    def next(self, timeout: float | None = None) -> Delivery | None:
+        """The next delivery, or None after `timeout` seconds or once closed."""
+        try:
+            return _run(asyncio.wait_for(self.aio.__anext__(), timeout))
+        except (TimeoutError, StopAsyncIteration):
+            return None
+
+    def run(self, callback: Callable[[Delivery], None]) -> None:
+        """Call `callback` with each delivery (on this thread) until the consumer is closed."""
+        for delivery in self:
+            callback(delivery)
+
+    def close(self) -> None:
+        _run(self.aio.close())
+
+
+class Admin:
+    """Blocking admin of policies and the cluster; see ringq.aio.Admin."""
+
+    def __init__(self, coordinators: Sequence[str] | str, **options: Any) -> None:
+        self.aio: aio.Admin = _run(_made(lambda: aio.Admin(coordinators, **options)))
+
+    def set_policy(self, name: str, pattern: str, definition: Mapping[str, Any], **options: Any) -> None:
+        _run(self.aio.set_policy(name, pattern, definition, **options))
+
+    def clear_policy(self, name: str) -> None:
+        _run(self.aio.clear_policy(name))
+
+    def list_policies(self) -> list[coordinator_pb2.Policy]:
+        return _run(self.aio.list_policies())
+
+    def list_queues(self) -> list[coordinator_pb2.QueueRecord]:
+        return _run(self.aio.list_queues())
+
+    def cluster_status(self) -> coordinator_pb2.ClusterStatusResponse:
+        return _run(self.aio.cluster_status())
+
+    def close(self) -> None:
+        _run(self.aio.close())

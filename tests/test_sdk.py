@@ -1,0 +1,137 @@
+"""The Python SDK (clients/python/ringq) against a live 3-node cluster: the blocking and asyncio APIs,
+back-pressure, acks on the consume stream, history recording, get/settle, Admin, and errors."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+import ringq
+from ringq import aio
+from services import cluster
+from tests.test_integration_queue import NODE_ARGS
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def sdk_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[cluster.ClusterInfo]:
+    directory = tmp_path_factory.mktemp("sdk")
+    info = cluster.up(3, directory, node_args=NODE_ARGS)
+    try:
+        admin = ringq.Admin(info.coordinator.address)
+        admin.set_policy("ha", "^ha\\.", {"ha-mode": "all", "ha-sync-mode": "automatic"})
+        admin.close()
+        time.sleep(2.0)  # every node's heartbeat reached the coordinator
+        yield info
+    finally:
+        cluster.down(directory)
+
+
+def _addresses(info: cluster.ClusterInfo) -> list[str]:
+    return [n.address for n in info.nodes]
+
+
+def test_blocking_publish_consume_ack_with_history(sdk_cluster: cluster.ClusterInfo, tmp_path: Path) -> None:
+    history = tmp_path / "history.jsonl"
+    with ringq.Connection(_addresses(sdk_cluster), name="sdk-test", history=str(history)) as connection:
+        info = connection.declare_queue("ha.blocking")
+        assert info.master_node
+        producer = connection.producer("ha.blocking", window=50, batch=20, publisher_id="p1")
+        confirmed: list[ringq.Outcome] = []
+        lock = threading.Lock()
+
+        def on_confirm(future: object) -> None:
+            with lock:
+                confirmed.append(future.result())  # type: ignore[attr-defined]
+
+        most_in_flight = 0
+        for i in range(2000):
+            producer.send(b"m%d" % i, callback=on_confirm)
+            most_in_flight = max(most_in_flight, producer.aio.unconfirmed)
+        producer.flush()
+        assert most_in_flight <= 50, "the window bounds what is unconfirmed (back-pressure)"
+        assert confirmed.count(ringq.Outcome.CONFIRMED) == 2000
+
+        consumer = connection.consumer("ha.blocking", prefetch=100)
+        seqs = []
+        for delivery in consumer:
+            assert delivery.publisher == "p1" and not delivery.redelivered
+            seqs.append(delivery.seq)
+            assert delivery.ack()
+            if len(seqs) == 2000:
+                break
+        assert seqs == list(range(1, 2001)), "publisher order"
+        deadline = time.monotonic() + 10
+        while (status := connection.queue_status("ha.blocking")).depth and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert status.depth == 0, "acks on the consume stream took effect"
+        consumer.close()
+    events = [json.loads(line) for line in history.read_text().splitlines()]
+    kinds = {kind: sum(1 for e in events if e["event"] == kind) for kind in ("publish", "confirm", "deliver", "ack")}
+    assert kinds == {"publish": 2000, "confirm": 2000, "deliver": 2000, "ack": 2000}
+    assert {e["client"] for e in events} == {"sdk-test"}
+
+
+def test_asyncio_api_requeue_get_and_settle(sdk_cluster: cluster.ClusterInfo) -> None:
+    async def scenario() -> None:
+        async with aio.Connection(_addresses(sdk_cluster)[1:]) as connection:  # not the master's node
+            await connection.declare_queue("ha.async")
+            producer = connection.producer("ha.async")
+            assert await producer.publish_many([b"a", b"b", b"c"]) == [aio.Outcome.CONFIRMED] * 3
+            consumer = connection.consumer("ha.async", prefetch=1)
+            first = await anext(aiter(consumer))
+            assert first.body == b"a"
+            assert first.nack(requeue=True)
+            again = await anext(aiter(consumer))
+            assert (again.body, again.redelivered, again.delivery_count) == (b"a", True, 2)
+            assert again.ack()
+            await consumer.close()
+            got = await connection.get("ha.async")
+            assert got is not None and got.body == b"b"
+            await connection.settle(got)
+            assert (await connection.queue_status("ha.async")).depth == 1
+            assert await connection.purge_queue("ha.async") == 1
+
+    asyncio.run(scenario())
+
+
+def test_errors_are_grpc_statuses(sdk_cluster: cluster.ClusterInfo) -> None:
+    with ringq.Connection(_addresses(sdk_cluster), retry_for=2.0) as connection:
+        with pytest.raises(grpc.aio.AioRpcError) as unknown:
+            connection.queue_status("no.such.queue")
+        assert unknown.value.code() == grpc.StatusCode.NOT_FOUND
+        connection.declare_queue("ha.args", arguments={"x-single-active-consumer": True})
+        with pytest.raises(grpc.aio.AioRpcError) as redeclared:
+            connection.declare_queue("ha.args", durable=True)
+        assert redeclared.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        connection.producer("ha.args").publish(b"x")
+        consumer = connection.consumer("ha.args", prefetch=1)
+        delivery = consumer.next(timeout=10)
+        assert delivery is not None
+        delivery.delivery_tag += 1000  # a tag the queue never gave: the stream fails with a clear status
+        delivery.ack()
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            consumer.next(timeout=10)
+        assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "unknown delivery tag" in (refused.value.details() or "")
+
+
+def test_admin_lists_policies_queues_and_cluster(sdk_cluster: cluster.ClusterInfo) -> None:
+    admin = ringq.Admin(sdk_cluster.coordinator.address)
+    try:
+        admin.set_policy("ttl", "^ttl\\.", {"message-ttl": 1000}, priority=2)
+        assert {p.name for p in admin.list_policies()} >= {"ha", "ttl"}
+        admin.clear_policy("ttl")
+        assert "ttl" not in {p.name for p in admin.list_policies()}
+        assert len(admin.cluster_status().nodes) == 3
+        assert "ha.blocking" in {q.name for q in admin.list_queues()}  # declared by the first test
+    finally:
+        admin.close()
