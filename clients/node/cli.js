@@ -145,12 +145,17 @@ async function consume(client, queue, count, prefetch, timeoutMs) {
   return 0;
 }
 
-main(process.argv.slice(2)).then(
-  (code) => process.exit(code),
-  (error) => {
-    const usage = error instanceof UsageError || error?.code === 'ERR_PARSE_ARGS_UNKNOWN_OPTION';
-    const code = typeof error?.code === 'number' ? (ringq.statusName(error.code) ?? error.code) : error?.code;
-    process.stderr.write(`${JSON.stringify({ error: error?.details || error?.message || String(error), code })}\n`);
-    process.exit(usage ? 2 : 1);
-  },
-);
+/**
+ * Exit once stdout and stderr are flushed (process.exit alone can cut a long line written to a pipe).
+ * @param {number} code
+ */
+function exit(code) {
+  process.stdout.write('', () => process.stderr.write('', () => process.exit(code)));
+}
+
+main(process.argv.slice(2)).then(exit, (error) => {
+  const usage = error instanceof UsageError || error?.code === 'ERR_PARSE_ARGS_UNKNOWN_OPTION';
+  const code = typeof error?.code === 'number' ? (ringq.statusName(error.code) ?? error.code) : error?.code;
+  process.stderr.write(`${JSON.stringify({ error: error?.details || error?.message || String(error), code })}\n`);
+  exit(usage ? 2 : 1);
+});
