@@ -28,6 +28,7 @@ from typing import Any
 
 import grpc
 
+from ringq import tracing
 from ringq.v1 import group_pb2, group_pb2_grpc, peer_pb2, peer_pb2_grpc, queue_pb2_grpc
 from services.arguments import OneLineParser, address_argument, addresses_argument, node_id_argument
 from services.coordinator.client import CoordinatorClient
@@ -257,6 +258,8 @@ class Node:
             log.warning("dropping a malformed ring message from %s: %s", peer, error)
             return
         member.post(lambda core: core.on_message(ring_message))
+        if member.ring_observer is not None:
+            member.ring_observer(ring_message, peer)
 
     def _on_reconnect(self, peer: str) -> None:
         for member in self.members.values():
@@ -524,6 +527,11 @@ def parser() -> argparse.ArgumentParser:
         default=None,
         help="re-read a quiet member's group after this long (default: the failure timeout)",
     )
+    out.add_argument(
+        "--trace-dir",
+        help="also write finished spans as JSON lines to DIR/spans-NODE_ID.jsonl (docs/observability.md); "
+        "OTEL_EXPORTER_OTLP_ENDPOINT exports over OTLP",
+    )
     out.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     return out
 
@@ -539,11 +547,14 @@ def main(argv: list[str] | None = None) -> int:
         membership_check=args.membership_check_ms,
         data_dir=args.data_dir or os.path.join("data", args.id),
     )
+    tracing.configure("ringq-node", args.id, args.trace_dir)
     try:
         asyncio.run(serve(args.id, args.listen, args.coordinator, settings, args.ready_file))
     except OSError as error:
         print(f"ringq node: {error}", file=sys.stderr)
         return 1
+    finally:
+        tracing.shutdown()
     return 0
 
 

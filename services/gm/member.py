@@ -91,6 +91,9 @@ class MemberShell:
         self._add_replies: dict[str, asyncio.Future[Group | None]] = {}
         self._calls: set[asyncio.Future[tuple[int, list[Action]]]] = set()
         self._flush_armed = False
+        # Told of every ring message this member receives, with the node it came from
+        # (the queue layer's ring-hop spans); None: nobody is told.
+        self.ring_observer: Callable[[RingMessage, str], None] | None = None
         self._task: asyncio.Task[None] | None = None
         self._tasks: set[asyncio.Future[None]] = set()
 

@@ -29,12 +29,13 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
 from typing import Protocol
 
+from ringq import tracing
 from ringq.v1 import queue_replication_pb2
 from services.coordinator.metadata import QueueRecord
 from services.gm.member import MemberEvent, MemberShell
 from services.gm.messages import Deliver as GmDeliver
 from services.gm.messages import Joined, MembersChanged, Stopped
-from services.queue import wire
+from services.queue import traces, wire
 from services.queue.contents import QueueContents
 from services.queue.group_commit import GroupCommitter
 from services.queue.master import (
@@ -191,6 +192,8 @@ class QueueReplica:
             await self._update(unsynchronised)
         member = self.host.new_member(self.record.gm_group, self._on_member_event)
         self.member = member
+        if tracing.enabled():
+            member.ring_observer = traces.ring_hop_observer(self.record.name, self.host.node_id)
         joined = asyncio.ensure_future(member.joined.wait())
         stopped = asyncio.ensure_future(member.wait_stopped())
         await asyncio.wait({joined, stopped}, return_when=asyncio.FIRST_COMPLETED)
@@ -330,6 +333,8 @@ class QueueReplica:
         )
         sent: Awaitable[tuple[int, int]] | None = None
         failure: Exception | None = None
+        if tracing.enabled():
+            traces.enqueued(self.record.name, self.host.node_id, self.record.gm_group, step.reports)
         if step.reports:
             try:
                 sent = member.broadcast_now([wire.encode(r) for r in step.reports], confirmed=True)
@@ -361,6 +366,9 @@ class QueueReplica:
                 confirmed.exception()  # retrieved: nobody else may wait on it
             raise
         confirmed.set_result(None)
+        if tracing.enabled():
+            traces.confirmed(self.record.name, self.host.node_id, step.reports)
+            traces.delivered(self.record.name, self.host.node_id, step.deliveries)
         for delivery in step.deliveries:
             consumer = self.consumers.get(delivery.consumer)
             if consumer is not None:
@@ -439,6 +447,8 @@ class QueueReplica:
         if self.mirror is not None:
             for said in self.mirror.apply(report):
                 self._say(said)
+            if tracing.enabled():
+                traces.mirror_applied(self.record.name, self.host.node_id, self.record.gm_group, report)
         elif self.master is None:
             log.warning("queue %s: a %s came before this replica was ready", self.record.name, type(report).__name__)
 

@@ -25,6 +25,7 @@ from typing import Any, TypeVar
 
 import grpc
 
+from ringq import tracing
 from ringq.v1 import queue_pb2, queue_pb2_grpc
 from services.coordinator.client import CoordinatorClient
 from services.coordinator.metadata import QueueRecord
@@ -46,6 +47,18 @@ _SETTLE = {
     queue_pb2.SETTLE_KIND_REQUEUE: "requeue",
     queue_pb2.SETTLE_KIND_REJECT: "reject",
 }
+
+
+def _trace_forward(request: queue_pb2.PublishRequest, node: str) -> None:
+    for message in request.messages:
+        if tracing.TRACEPARENT in message.headers:
+            attributes = {
+                "ringq.queue": request.queue.queue,
+                "ringq.node": node,
+                "ringq.publisher": request.publisher,
+                "ringq.seq": message.seq,
+            }
+            tracing.event_span("ringq.forward", message.headers, attributes)
 
 
 def _settlement(settlement: queue_pb2.Settlement) -> Settlement | None:
@@ -280,6 +293,8 @@ class QueueServicer(queue_pb2_grpc.QueueServiceServicer):
                         routes[key] = (replica, stub)
                     replica, stub = routes[key]
                     if stub is not None:
+                        if tracing.enabled():
+                            _trace_forward(request, self.node_id)
                         pending.put_nowait(asyncio.ensure_future(self._forward_publish(stub, request, forwarded)))
                         continue
                     assert replica is not None
