@@ -41,6 +41,7 @@ class FakeMember:
 
 class FakeHost:
     node_id = "node1"
+    metrics = None
 
     def new_member(self, group: str, events: Callable[[Any], None]) -> Any:
         raise AssertionError("not used")

@@ -17,17 +17,19 @@ import asyncio
 import contextlib
 import logging
 import os
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Protocol
 from urllib.parse import quote
 
 import grpc
 
+from ringq import tracing
 from services.coordinator.client import CoordinatorClient
 from services.coordinator.convert import queue_from_proto
 from services.coordinator.metadata import QueueRecord
 from services.gm.member import MemberEvent, MemberShell
-from services.queue.master import Publish, QueueError
+from services.queue.master import Publish, QueueError, QueueMaster
+from services.queue.metrics import QueueMetrics
 from services.queue.replica import QueueReplica
 
 log = logging.getLogger("ringq.queues")
@@ -54,6 +56,12 @@ class QueueManager:
         self._starting: dict[QueueKey, asyncio.Future[QueueReplica | None]] = {}
         self._tasks: set[asyncio.Future[None]] = set()
         self.forward_publish: Callable[[QueueRecord, list[Publish]], Awaitable[None]] | None = None
+        self.metrics = QueueMetrics(self.node_id, self._masters) if tracing.metrics_enabled() else None
+
+    def _masters(self) -> Iterator[tuple[str, QueueMaster]]:
+        for replica in list(self.replicas.values()):
+            if replica.master is not None:
+                yield replica.record.name, replica.master
 
     async def start(self) -> None:
         self._spawn(self._follow_records())

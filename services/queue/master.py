@@ -359,6 +359,10 @@ class QueueMaster:
     def syncing(self) -> list[str]:
         return list(self._sync)
 
+    def sync_remaining(self) -> dict[str, int]:
+        """Per syncing mirror, how many messages are still to be sent to it."""
+        return {target: len(pending) for target, pending in self._sync.items()}
+
     def sync_next(self, target: str, batch: int = SYNC_BATCH_MESSAGES) -> Step:
         """The next batch for `target`, as the master holds those messages now;
         the last one is followed by SyncDone and a Depth report."""

@@ -49,6 +49,7 @@ from services.queue.master import (
     Step,
 )
 from services.queue.message_log import FileMessageLog
+from services.queue.metrics import QueueMetrics
 from services.queue.mirror import QueueMirror
 from services.queue.ops import Desynchronised, Discard, Enqueue, Settle, Synchronised, SyncRequest
 
@@ -69,6 +70,7 @@ class ReplicaHost(Protocol):
     """What a replica needs from its node."""
 
     node_id: str
+    metrics: QueueMetrics | None
 
     def new_member(self, group: str, events: Callable[[MemberEvent], None]) -> MemberShell: ...
 
@@ -340,7 +342,7 @@ class QueueReplica:
                 sent = member.broadcast_now([wire.encode(r) for r in step.reports], confirmed=True)
             except ConnectionAbortedError as error:
                 failure = error
-        return self._complete(step, previous, confirmed, durable, sent, failure)
+        return self._complete(step, previous, confirmed, durable, sent, failure, time.monotonic())
 
     async def _complete(
         self,
@@ -350,6 +352,7 @@ class QueueReplica:
         durable: asyncio.Future[None] | None,
         sent: Awaitable[tuple[int, int]] | None,
         failure: Exception | None,
+        started: float,
     ) -> None:
         try:
             if failure is not None:
@@ -366,6 +369,15 @@ class QueueReplica:
                 confirmed.exception()  # retrieved: nobody else may wait on it
             raise
         confirmed.set_result(None)
+        if self.host.metrics is not None and sent is not None:
+            self.host.metrics.step_done(
+                self.record.name,
+                self.record.gm_group,
+                published=sum(1 for r in step.reports if isinstance(r, Enqueue)),
+                delivered=len(step.deliveries),
+                acked=sum(len(r.ids) for r in step.reports if isinstance(r, Settle)),
+                ring_ms=(time.monotonic() - started) * 1000,
+            )
         if tracing.enabled():
             traces.confirmed(self.record.name, self.host.node_id, step.reports)
             traces.delivered(self.record.name, self.host.node_id, step.deliveries)

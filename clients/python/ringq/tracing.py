@@ -33,12 +33,17 @@ TRACE_DIR_ENV = "RINGQ_TRACE_DIR"
 TRACEPARENT = "traceparent"
 TRACEPARENT_BYTES = TRACEPARENT.encode()
 _propagator = TraceContextTextMapPropagator()
-_state: dict[str, Any] = {"provider": None, "process": ""}
+_state: dict[str, Any] = {"provider": None, "meters": None, "process": ""}
 
 
 def enabled() -> bool:
     """True once `configure` installed a provider in this process."""
     return _state["provider"] is not None
+
+
+def metrics_enabled() -> bool:
+    """True once `configure` installed an OTLP metrics exporter in this process."""
+    return _state["meters"] is not None
 
 
 def configure(service_name: str, process: str, trace_dir: str | None = None) -> bool:
@@ -51,15 +56,23 @@ def configure(service_name: str, process: str, trace_dir: str | None = None) -> 
     if not endpoint and not directory:
         return False
     service = os.environ.get("OTEL_SERVICE_NAME", service_name)
-    provider = TracerProvider(resource=Resource.create({"service.name": service, "ringq.process": process}))
+    resource = Resource.create({"service.name": service, "ringq.process": process})
+    provider = TracerProvider(resource=resource)
     if directory:
         path = Path(directory) / f"spans-{process}.jsonl"
         exporter = JsonLinesSpanExporter(path, process, service)
         provider.add_span_processor(BatchSpanProcessor(exporter, schedule_delay_millis=500))
     if endpoint:
+        from opentelemetry import metrics
+        from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import OTLPMetricExporter
         from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+        from opentelemetry.sdk.metrics import MeterProvider
+        from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
 
         provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
+        meters = MeterProvider(resource=resource, metric_readers=[PeriodicExportingMetricReader(OTLPMetricExporter())])
+        metrics.set_meter_provider(meters)
+        _state["meters"] = meters
     _state["provider"] = provider
     _state["process"] = process
     atexit.register(shutdown)
@@ -68,10 +81,12 @@ def configure(service_name: str, process: str, trace_dir: str | None = None) -> 
 
 def shutdown() -> None:
     """Flush and stop this process's tracing (idempotent)."""
-    provider = _state["provider"]
+    provider, meters = _state["provider"], _state["meters"]
+    _state["provider"] = _state["meters"] = None
     if provider is not None:
-        _state["provider"] = None
         provider.shutdown()
+    if meters is not None:
+        meters.shutdown()
 
 
 def tracer() -> trace.Tracer:

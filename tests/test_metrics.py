@@ -1,0 +1,102 @@
+"""OTel metrics and spans over OTLP: nodes started with the standard OTEL_EXPORTER_OTLP_ENDPOINT export
+queue depth, publish / deliver / ack counters and the ring round trip to a collector (a fake one here,
+serving OTLP/gRPC on 127.0.0.1)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+from concurrent import futures
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+from opentelemetry.proto.collector.metrics.v1 import metrics_service_pb2, metrics_service_pb2_grpc
+from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
+
+from ringq import aio
+from services import cluster
+from tests.test_integration_queue import NODE_ARGS
+
+pytestmark = pytest.mark.integration
+
+
+class FakeCollector(metrics_service_pb2_grpc.MetricsServiceServicer, trace_service_pb2_grpc.TraceServiceServicer):
+    """Keeps the latest value of every metric by name, and counts spans by name."""
+
+    def __init__(self) -> None:
+        self.metrics: dict[str, list[Any]] = {}
+        self.span_names: dict[str, int] = {}
+
+    def Export(self, request: Any, context: Any) -> Any:  # noqa: N802 (gRPC's name)
+        if isinstance(request, metrics_service_pb2.ExportMetricsServiceRequest):
+            for resource in request.resource_metrics:
+                for scope in resource.scope_metrics:
+                    for metric in scope.metrics:
+                        self.metrics.setdefault(metric.name, []).append(metric)
+            return metrics_service_pb2.ExportMetricsServiceResponse()
+        for resource_spans in request.resource_spans:
+            for scope in resource_spans.scope_spans:
+                for span in scope.spans:
+                    self.span_names[span.name] = self.span_names.get(span.name, 0) + 1
+        return trace_service_pb2.ExportTraceServiceResponse()
+
+
+@pytest.fixture
+def collector() -> Iterator[tuple[FakeCollector, str]]:
+    fake = FakeCollector()
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    metrics_service_pb2_grpc.add_MetricsServiceServicer_to_server(fake, server)
+    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(fake, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        yield fake, f"http://127.0.0.1:{port}"
+    finally:
+        server.stop(None)
+
+
+def _sum(points: list[Any]) -> float:
+    return float(sum(p.as_int or p.as_double for p in points))
+
+
+def test_nodes_export_queue_metrics_and_spans_over_otlp(
+    collector: tuple[FakeCollector, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fake, endpoint = collector
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", endpoint)
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_INSECURE", "true")
+    monkeypatch.setenv("OTEL_METRIC_EXPORT_INTERVAL", "300")
+    monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "200")
+    info = cluster.up(3, tmp_path, node_args=NODE_ARGS)  # the nodes inherit the environment
+    try:
+        monkeypatch.delenv("OTEL_EXPORTER_OTLP_ENDPOINT")  # this process does not export: no client tracing
+
+        async def traffic() -> None:
+            async with aio.Connection([n.address for n in info.nodes]) as connection:
+                await connection.declare_queue("metered")
+                await connection.producer("metered").publish_many([b"x"] * 50)
+                consumer = connection.consumer("metered", prefetch=10)
+                async for delivery in consumer:
+                    delivery.ack()
+                    if delivery.seq == 30:
+                        break
+                await consumer.close()
+
+        asyncio.run(traffic())
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            published = [p for m in fake.metrics.get("ringq.queue.published", []) for p in m.sum.data_points]
+            if published and max(p.as_int for p in published) >= 50 and "ringq.ring.round_trip" in fake.metrics:
+                break
+            time.sleep(0.2)
+        latest = {name: series[-1] for name, series in fake.metrics.items()}
+        assert latest["ringq.queue.published"].sum.data_points[0].as_int == 50
+        assert latest["ringq.queue.delivered"].sum.data_points[0].as_int >= 30
+        assert latest["ringq.queue.acked"].sum.data_points[0].as_int >= 1
+        assert latest["ringq.ring.round_trip"].histogram.data_points[0].count > 0
+        assert "ringq.queue.depth" in latest
+    finally:
+        cluster.down(tmp_path)
