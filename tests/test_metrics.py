@@ -30,7 +30,7 @@ class FakeCollector(metrics_service_pb2_grpc.MetricsServiceServicer, trace_servi
         self.metrics: dict[str, list[Any]] = {}
         self.span_names: dict[str, int] = {}
 
-    def Export(self, request: Any, context: Any) -> Any:  # noqa: N802 (gRPC's name)
+    def Export(self, request: Any, context: Any) -> Any:
         if isinstance(request, metrics_service_pb2.ExportMetricsServiceRequest):
             for resource in request.resource_metrics:
                 for scope in resource.scope_metrics:
