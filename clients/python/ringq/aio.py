@@ -493,6 +493,9 @@ class _Stream:
     number: int
     settlements: list[queue_pb2.Settlement] = field(default_factory=list)
     wake: asyncio.Event = field(default_factory=asyncio.Event)
+    unwritten: int = 0  # settlements queued and not yet written to the stream
+    written: asyncio.Event = field(default_factory=asyncio.Event)  # set whenever unwritten drops to 0
+    writer: asyncio.Future[None] | None = None
 
 
 class Consumer:
@@ -560,10 +563,21 @@ class Consumer:
 
     def _queue_settlement(self, stream: _Stream, settlement: queue_pb2.Settlement) -> None:
         stream.settlements.append(settlement)
+        stream.unwritten += 1
+        stream.written.clear()
         stream.wake.set()
 
     async def close(self) -> None:
-        """Cancel the consumer; what it had not settled is requeued by the queue."""
+        """Cancel the consumer, once the settlements queued on its stream are written (a few seconds at
+        most); what it had not settled is requeued by the queue."""
+        stream = self._stream
+        if stream.unwritten and stream.writer is not None and not stream.writer.done():
+            written = asyncio.ensure_future(stream.written.wait())
+            waiters: list[asyncio.Future[Any]] = [written, stream.writer]
+            try:  # until written, or the stream broke (its writer ends), or 5 s
+                await asyncio.wait(waiters, timeout=5.0, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                written.cancel()
         if self._runner is not None:
             self._runner.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -606,8 +620,11 @@ class Consumer:
                     stream.wake.clear()
                     settlements, stream.settlements = stream.settlements, []
                     await call.write(queue_pb2.ConsumeRequest(settlements=settlements))
+                    stream.unwritten -= len(settlements)
+                    if not stream.unwritten:
+                        stream.written.set()
 
-        writer = asyncio.ensure_future(write())
+        writer = stream.writer = asyncio.ensure_future(write())
         progressed = False
         history = self.connection.history
         try:
