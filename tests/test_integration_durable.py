@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from ringq import aio
 from services import cluster
 from tests.test_integration_queue import _client, _start
 
@@ -29,17 +30,26 @@ async def _scenario(directory: Path) -> dict[str, float]:
     info = await _start(directory, node_args=[])
     client = _client(info, "node1", "node2", "node3")
     queue = "ha.durable"
-    declared = await client.declare(queue, durable=True)
+    declared = await client.declare_queue(queue, durable=True)
     assert declared.master_node == "node1"
-    publisher = client.publisher(queue, persistent=True, window=1000, batch=100)
-    await publisher.publish([f"{i:06d}".encode() for i in range(PUBLISHED)])
+    producer = client.producer(queue, publisher_id="orders", persistent=True, window=1000, batch=100)
+    await producer.publish_many([f"{i:06d}".encode() for i in range(PUBLISHED)])
     acked: set[int] = set()
-    async for delivery in client.consume(queue, prefetch=ACKED, resume=False):
+    consumer = client.consumer(queue, prefetch=ACKED)
+    async for delivery in consumer:
         acked.add(delivery.seq)
         if len(acked) == ACKED:
-            # Acknowledged (durably: the reply comes after the commit) before the consumer goes.
-            assert await client.settle(queue, delivery, multiple=True)
+            assert delivery.ack(multiple=True)
             break
+    # An ack on the consume stream has no reply: wait until the master applied it, then publish a
+    # persistent marker, confirmed only once the queue's log is on disk up to it, the ack included.
+    deadline = time.monotonic() + 10
+    while (await client.queue_status(queue)).depth != PUBLISHED - ACKED:
+        assert time.monotonic() < deadline, "the acknowledgement was not applied"
+        await asyncio.sleep(0.02)
+    marker = client.producer(queue, publisher_id="marker", persistent=True)
+    assert await marker.publish(b"marker") == aio.Outcome.CONFIRMED
+    await consumer.close()
     await client.close()
 
     for node in ("node1", "node2", "node3"):
@@ -52,7 +62,7 @@ async def _scenario(directory: Path) -> dict[str, float]:
     deadline = time.monotonic() + 30
     while True:
         try:
-            status = await client.status(queue)
+            status = await client.queue_status(queue)
             if status.depth:
                 break
         except Exception:
@@ -60,14 +70,17 @@ async def _scenario(directory: Path) -> dict[str, float]:
         assert time.monotonic() < deadline, "the queue did not come back"
         await asyncio.sleep(0.2)
     back_after = time.monotonic() - restarted
-    assert status.depth == PUBLISHED - ACKED, f"{status.depth} messages recovered, {PUBLISHED - ACKED} expected"
-    delivered: set[int] = set()
-    async for delivery in client.consume(queue, prefetch=0, resume=False):
-        delivered.add(delivery.seq)
-        if len(delivered) == PUBLISHED - ACKED:
-            await client.settle(queue, delivery, multiple=True)
+    expected = PUBLISHED - ACKED + 1  # with the marker
+    assert status.depth == expected, f"{status.depth} messages recovered, {expected} expected"
+    delivered: set[tuple[str, int]] = set()
+    consumer = client.consumer(queue, prefetch=0)
+    async for delivery in consumer:
+        delivered.add((delivery.publisher, delivery.seq))
+        if len(delivered) == expected:
+            delivery.ack(multiple=True)
             break
-    assert delivered == set(range(1, PUBLISHED + 1)) - acked, "exactly the unacknowledged messages came back"
+    unacknowledged = {("orders", seq) for seq in range(1, PUBLISHED + 1)} - {("orders", seq) for seq in acked}
+    assert delivered == unacknowledged | {("marker", 1)}, "exactly the unacknowledged messages came back"
     await client.close()
     return {"back_after": back_after}
 

@@ -20,7 +20,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from ringq.queue import QueueClient
+from ringq import aio
 from ringq.v1 import coordinator_pb2, coordinator_pb2_grpc, queue_pb2
 from services import cluster
 from tests.test_integration_queue import NODE_ARGS
@@ -37,21 +37,21 @@ async def _policy(info: cluster.ClusterInfo, definition: dict[str, object]) -> N
         )
 
 
-async def _unsynchronised_mirrors(directory: Path, promote: str) -> tuple[cluster.ClusterInfo, QueueClient]:
+async def _unsynchronised_mirrors(directory: Path, promote: str) -> tuple[cluster.ClusterInfo, aio.Connection]:
     info = cluster.up(3, directory, node_args=NODE_ARGS)
     await _policy(info, {"ha-mode": "exactly", "ha-params": 1})  # master only
     await asyncio.sleep(2.0)  # nodes' heartbeats: all live
     by_name = {n.name: n.address for n in info.nodes}
-    client = QueueClient([by_name["node1"], by_name["node2"], by_name["node3"]])
-    await client.declare("ha.q", durable=True)
-    await client.publisher("ha.q", persistent=True).publish([b"%d" % i for i in range(MESSAGES)])
+    client = aio.Connection([by_name["node1"], by_name["node2"], by_name["node3"]])
+    await client.declare_queue("ha.q", durable=True)
+    await client.producer("ha.q", persistent=True).publish_many([b"%d" % i for i in range(MESSAGES)])
     await _policy(info, {"ha-mode": "all", "ha-sync-mode": "manual", "ha-promote-on-failure": promote})
     deadline = time.monotonic() + 20
-    while len((status := await client.status("ha.q")).mirrors) < 2:
+    while len((status := await client.queue_status("ha.q")).mirrors) < 2:
         assert time.monotonic() < deadline, "mirrors were not added"
         await asyncio.sleep(0.1)
     await asyncio.sleep(1.5)  # the mirrors joined; the master's depth reports show them behind
-    status = await client.status("ha.q")
+    status = await client.queue_status("ha.q")
     assert list(status.synchronised_mirrors) == [], "mirrors that joined empty must not count as synchronised"
     return info, client
 
@@ -60,16 +60,17 @@ async def _when_synced(directory: Path) -> None:
     info, client = await _unsynchronised_mirrors(directory, "when-synced")
     cluster.kill(directory, "node1", signal.SIGKILL)
     await asyncio.sleep(3.0)  # well past the failure timeout
-    stub = QueueClient([n.address for n in info.nodes if n.name != "node1"])
+    # retry_for 0: one attempt, no retries on the other survivor
+    survivors = aio.Connection([n.address for n in info.nodes if n.name != "node1"], retry_for=0)
     try:
-        await stub.call("QueueStatus", stub.ref("ha.q"), attempts=1)
+        await survivors.queue_status("ha.q")
         raise AssertionError("the queue answered without a master")
     except grpc.aio.AioRpcError as error:
         assert error.code() == grpc.StatusCode.UNAVAILABLE, error
-    call = stub.stub().Publish()  # a publish while the queue has no master: retry later, nothing taken
+    call = survivors.stub().Publish()  # a publish while the queue has no master: retry later, nothing taken
     await call.write(
         queue_pb2.PublishRequest(
-            queue=stub.ref("ha.q"), publisher="late", messages=[queue_pb2.OutgoingMessage(body=b"x", seq=1)]
+            queue=survivors.ref("ha.q"), publisher="late", messages=[queue_pb2.OutgoingMessage(body=b"x", seq=1)]
         )
     )
     try:
@@ -78,11 +79,11 @@ async def _when_synced(directory: Path) -> None:
     except grpc.aio.AioRpcError as error:
         assert error.code() == grpc.StatusCode.UNAVAILABLE and "retry" in (error.details() or ""), error
     cluster.start_node(directory, "node1")
-    restarted = QueueClient([n.address for n in cluster.load(directory).nodes])
+    restarted = aio.Connection([n.address for n in cluster.load(directory).nodes], retry_for=5)
     deadline = time.monotonic() + 30
     while True:
         try:
-            status = await restarted.status("ha.q")
+            status = await restarted.queue_status("ha.q")
             if status.master_node == "node1" and status.depth:
                 break
         except grpc.aio.AioRpcError:
@@ -90,18 +91,18 @@ async def _when_synced(directory: Path) -> None:
         assert time.monotonic() < deadline, "the master did not come back"
         await asyncio.sleep(0.2)
     assert status.depth == MESSAGES, f"{MESSAGES - status.depth} messages lost"
-    for c in (client, stub, restarted):
+    for c in (client, survivors, restarted):
         await c.close()
 
 
 async def _always(directory: Path) -> None:
     info, client = await _unsynchronised_mirrors(directory, "always")
     cluster.kill(directory, "node1", signal.SIGKILL)
-    survivors = QueueClient([n.address for n in info.nodes if n.name != "node1"])
+    survivors = aio.Connection([n.address for n in info.nodes if n.name != "node1"], retry_for=5)
     deadline = time.monotonic() + 20
     while True:
         try:
-            status = await survivors.status("ha.q")
+            status = await survivors.queue_status("ha.q")
             if status.master_node != "node1":
                 break
         except grpc.aio.AioRpcError:

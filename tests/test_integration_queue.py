@@ -21,7 +21,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from ringq.queue import QueueClient
+from ringq import aio
 from ringq.v1 import coordinator_pb2, coordinator_pb2_grpc, queue_pb2
 from services import cluster
 
@@ -51,9 +51,9 @@ def shared_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[cluster
         cluster.down(directory)
 
 
-def _client(info: cluster.ClusterInfo, *names: str) -> QueueClient:
+def _client(info: cluster.ClusterInfo, *names: str) -> aio.Connection:
     by_name = {n.name: n.address for n in info.nodes}
-    return QueueClient([by_name[n] for n in names])
+    return aio.Connection([by_name[n] for n in names])
 
 
 async def _code(call: object) -> tuple[grpc.StatusCode, str]:
@@ -67,29 +67,28 @@ async def _code(call: object) -> tuple[grpc.StatusCode, str]:
 def test_queue_operations_through_any_node(shared_cluster: cluster.ClusterInfo) -> None:
     async def scenario() -> None:
         on1, on2, on3 = (_client(shared_cluster, n) for n in ("node1", "node2", "node3"))
-        info = await on1.declare("plain")
+        info = await on1.declare_queue("plain")
         assert info.master_node == "node1" and list(info.mirrors) == []
-        publisher = on2.publisher("plain")  # forwarded to node1
-        await publisher.publish([b"m1", b"m2", b"m3"])
-        assert set(publisher.outcomes.values()) == {queue_pb2.PUBLISH_OUTCOME_CONFIRMED}
-        got = await on3.call("Get", queue_pb2.GetRequest(queue=on3.ref("plain"), no_ack=True))
-        assert got.found and got.delivery.body == b"m1"
-        stream = on1.consume("plain", prefetch=1, resume=False)
-        delivery = await anext(stream)
+        producer = on2.producer("plain")  # forwarded to node1
+        assert await producer.publish_many([b"m1", b"m2", b"m3"]) == [aio.Outcome.CONFIRMED] * 3
+        got = await on3.get("plain", no_ack=True)
+        assert got is not None and got.body == b"m1"
+        consumer = on2.consumer("plain", prefetch=1)  # forwarded to node1, settlements too
+        delivery = await anext(aiter(consumer))
         assert delivery.body == b"m2" and not delivery.redelivered
-        assert await on2.settle("plain", delivery, queue_pb2.SETTLE_KIND_REQUEUE)
-        again = await anext(stream)
+        assert delivery.nack(requeue=True)
+        again = await anext(aiter(consumer))
         assert again.body == b"m2" and again.redelivered and again.delivery_count == 2
-        assert await on1.settle("plain", again)
-        await stream.aclose()  # cancels the consumer: m3, which it held, goes back
-        while (await on1.status("plain")).consumers:
+        assert again.ack()
+        held = await anext(aiter(consumer))  # with prefetch 1, m3 comes only once m2 is acknowledged
+        assert held.body == b"m3" and not held.redelivered
+        await consumer.close()  # cancels the consumer: m3, which it held, goes back
+        while (await on1.queue_status("plain")).consumers:
             await asyncio.sleep(0.02)
-        purged = await on3.call("PurgeQueue", on3.ref("plain"))
-        assert purged.messages_purged == 1
-        deleted = await on2.call("DeleteQueue", queue_pb2.QueueDeleteRequest(queue=on2.ref("plain")))
-        assert deleted.messages_deleted == 0
-        for client in (on1, on2, on3):
-            await client.close()
+        assert await on3.purge_queue("plain") == 1
+        assert await on2.delete_queue("plain") == 0
+        for connection in (on1, on2, on3):
+            await connection.close()
 
     asyncio.run(scenario())
 
@@ -100,7 +99,7 @@ def test_bad_input_gets_clear_statuses(shared_cluster: cluster.ClusterInfo) -> N
         stub = client.stub()
         code, message = await _code(stub.QueueStatus(client.ref("no-such-queue")))
         assert code == grpc.StatusCode.NOT_FOUND and "no-such-queue" in message
-        await client.declare("strict", durable=True)
+        await client.declare_queue("strict", durable=True)
         code, message = await _code(stub.DeclareQueue(queue_pb2.QueueDeclareRequest(queue=client.ref("strict"))))
         assert code == grpc.StatusCode.FAILED_PRECONDITION and "durable" in message
         declare = queue_pb2.QueueDeclareRequest(queue=client.ref("x"), arguments={"x-max-length": "ten"})
@@ -127,7 +126,7 @@ def test_bad_input_gets_clear_statuses(shared_cluster: cluster.ClusterInfo) -> N
             await call.write(bad)
             code, message = await _code(call.read())
             assert code == grpc.StatusCode.INVALID_ARGUMENT and expected in message
-        status = await client.status("strict")
+        status = await client.queue_status("strict")
         assert status.depth == 0, "nothing was added by the refused requests"
         await client.close()
 
@@ -138,13 +137,13 @@ async def _failover(directory: Path, consume_during: bool) -> dict[str, float]:
     info = await _start(directory)
     client = _client(info, "node1", "node2", "node3")
     queue = "ha.orders"
-    declared = await client.declare(queue, durable=True)
+    declared = await client.declare_queue(queue, durable=True)
     master = declared.master_node
     deadline = time.monotonic() + 20
-    while len((await client.status(queue)).synchronised_mirrors) < 2:
+    while len((await client.queue_status(queue)).synchronised_mirrors) < 2:
         assert time.monotonic() < deadline, "mirrors did not synchronise"
         await asyncio.sleep(0.1)
-    publisher = client.publisher(queue, window=2000, batch=200)
+    producer = client.producer(queue, window=2000, batch=200)
     seen: dict[int, int] = {}  # seq -> deliveries
     order_violations: list[tuple[int, int]] = []
     redelivered = 0
@@ -154,7 +153,8 @@ async def _failover(directory: Path, consume_during: bool) -> dict[str, float]:
     async def consume(until: int) -> None:
         nonlocal redelivered, last_fresh
         unsettled = 0
-        async for delivery in consumer.consume(queue, prefetch=1000):
+        deliveries = consumer.consumer(queue, prefetch=1000)
+        async for delivery in deliveries:
             seq = delivery.seq
             if delivery.redelivered:
                 redelivered += 1
@@ -165,32 +165,32 @@ async def _failover(directory: Path, consume_during: bool) -> dict[str, float]:
             seen[seq] = seen.get(seq, 0) + 1
             unsettled += 1
             if unsettled == 200 or len(seen) >= until:  # acknowledge in batches, as consumers do
-                await consumer.settle(queue, delivery, multiple=True)
+                delivery.ack(multiple=True)  # False for a delivery of a stream gone with the master: it comes back
                 unsettled = 0
             if len(seen) >= until:
-                return
+                break
+        await deliveries.close()
+
+    def confirmed() -> int:
+        return producer.next_seq - 1 - producer.unconfirmed
 
     consuming = asyncio.ensure_future(consume(TOTAL)) if consume_during else None
     started = time.monotonic()
-    publishing = asyncio.ensure_future(publisher.publish([f"{i:08d}".encode().ljust(256, b".") for i in range(TOTAL)]))
-    while len(publisher.outcomes) < TOTAL * 0.3:
+    bodies = [f"{i:08d}".encode().ljust(256, b".") for i in range(TOTAL)]
+    publishing = asyncio.ensure_future(producer.publish_many(bodies))
+    while confirmed() < TOTAL * 0.3:
         await asyncio.sleep(0.02)
     cluster.kill(directory, master, signal.SIGKILL)
     killed_at = time.monotonic()
-    await asyncio.wait_for(publishing, 120)
+    outcomes = await asyncio.wait_for(publishing, 120)
     published_in = time.monotonic() - started
     if consuming is None:
         consuming = asyncio.ensure_future(consume(TOTAL))
     await asyncio.wait_for(consuming, 120)
     duplicates = [seq for seq, count in seen.items() if count > 1]
-    assert set(publisher.outcomes) == set(range(1, TOTAL + 1))
-    confirmed = {
-        s
-        for s, o in publisher.outcomes.items()
-        if o in (queue_pb2.PUBLISH_OUTCOME_CONFIRMED, queue_pb2.PUBLISH_OUTCOME_DUPLICATE)
-    }
-    assert confirmed == set(range(1, TOTAL + 1)), "every message confirmed"
-    missing = confirmed - set(seen)
+    assert len(outcomes) == TOTAL
+    assert set(outcomes) <= {aio.Outcome.CONFIRMED, aio.Outcome.DUPLICATE}, "every message confirmed"
+    missing = set(range(1, TOTAL + 1)) - set(seen)
     assert not missing, f"{len(missing)} confirmed messages never delivered, e.g. {sorted(missing)[:5]}"
     assert len(duplicates) <= redelivered, "a message came twice without the redelivered flag"
     assert not order_violations, order_violations[:5]
@@ -199,7 +199,7 @@ async def _failover(directory: Path, consume_during: bool) -> dict[str, float]:
     return {
         "published_in": published_in,
         "killed_after": killed_at - started,
-        "resends": publisher.resends,
+        "resends": producer.resends,
         "redelivered": redelivered,
         "duplicates": len(duplicates),
     }

@@ -17,7 +17,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from ringq.queue import QueueClient
+from ringq import aio
 from ringq.v1 import coordinator_pb2, coordinator_pb2_grpc
 from services import cluster
 from tests.test_integration_queue import NODE_ARGS
@@ -45,24 +45,24 @@ async def _scenario(directory: Path) -> dict[str, float]:
     info = cluster.up(3, directory, node_args=NODE_ARGS)
     await _policy(info, {"ha-mode": "exactly", "ha-params": 2, "ha-sync-mode": "automatic"})
     await asyncio.sleep(2.0)  # nodes' heartbeats: all live
-    client = QueueClient([n.address for n in info.nodes])
-    await client.declare("ha.sync")
+    client = aio.Connection([n.address for n in info.nodes])
+    await client.declare_queue("ha.sync")
 
     async def two_synchronised() -> bool:
-        status = await client.status("ha.sync")
+        status = await client.queue_status("ha.sync")
         return len(status.mirrors) == 1 and len(status.synchronised_mirrors) == 1
 
     await _wait(two_synchronised, "the first mirror")
-    await client.publisher("ha.sync", window=2000, batch=200).publish([b"backlog"] * BACKLOG)
+    await client.producer("ha.sync", window=2000, batch=200).publish_many([b"backlog"] * BACKLOG)
 
-    publisher = client.publisher("ha.sync", window=200, batch=50)
+    producer = client.producer("ha.sync", window=200, batch=50)
     latencies: list[tuple[float, float]] = []  # (when, ms)
     stop = asyncio.Event()
 
     async def publish_forever() -> None:
         while not stop.is_set():
             started = time.monotonic()
-            await publisher.publish([b"live"] * 50)
+            await producer.publish_many([b"live"] * 50)
             latencies.append((started, (time.monotonic() - started) * 1000))
 
     publishing = asyncio.ensure_future(publish_forever())
@@ -71,7 +71,7 @@ async def _scenario(directory: Path) -> dict[str, float]:
     await _policy(info, {"ha-mode": "all", "ha-sync-mode": "automatic"})
 
     async def three_synchronised() -> bool:
-        return len((await client.status("ha.sync")).synchronised_mirrors) == 2
+        return len((await client.queue_status("ha.sync")).synchronised_mirrors) == 2
 
     await _wait(three_synchronised, "the new mirror to sync")
     sync_seconds = time.monotonic() - sync_started
@@ -81,12 +81,12 @@ async def _scenario(directory: Path) -> dict[str, float]:
     await _policy(info, {"ha-mode": "exactly", "ha-params": 2, "ha-sync-mode": "automatic"})
 
     async def back_to_two() -> bool:
-        return len((await client.status("ha.sync")).mirrors) == 1
+        return len((await client.queue_status("ha.sync")).mirrors) == 1
 
     await _wait(back_to_two, "the newest mirror to go")
     stop.set()
     await publishing
-    status = await client.status("ha.sync")
+    status = await client.queue_status("ha.sync")
     published = BACKLOG + 50 * len(latencies)
     assert status.depth == published, f"{published - status.depth} messages lost"
     await client.close()

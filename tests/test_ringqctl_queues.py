@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from ringq.queue import QueueClient
+from ringq import aio
 from services import cluster
 
 pytestmark = pytest.mark.integration
@@ -95,13 +95,13 @@ def test_declare_list_consumers_purge_and_delete(info: cluster.ClusterInfo) -> N
     assert queue_entry(info, "capped")["arguments"] == {"x-max-length": "10", "x-note": '"a b"'}
 
     async def publish_and_consume() -> None:
-        client = QueueClient([n.address for n in info.nodes])
-        await client.publisher("plain").publish([b"m1", b"m2", b"m3"])
+        client = aio.Connection([n.address for n in info.nodes])
+        await client.producer("plain").publish_many([b"m1", b"m2", b"m3"])
         entry = await asyncio.to_thread(queue_entry, info, "plain")
         assert (entry["depth"], entry["unacked"], entry["consumers"], entry["status"]) == ("3", "0", 0, "running")
         assert entry["status_error"] is None and entry["master"] == again["master_node"]
-        stream = client.consume("plain", prefetch=1, resume=False)
-        await anext(stream)  # held, not acknowledged
+        consumer = client.consumer("plain", prefetch=1)
+        await anext(aiter(consumer))  # held, not acknowledged
         table = await asyncio.to_thread(ok, info, "list_queues")
         assert table.splitlines()[0].split() == [
             *["vhost", "name", "master", "mirrors", "synchronised", "policy"],
@@ -118,8 +118,8 @@ def test_declare_list_consumers_purge_and_delete(info: cluster.ClusterInfo) -> N
             failed, info, "delete_queue", "plain", "--if-unused", code="FAILED_PRECONDITION"
         )
         assert "consumers" in refused
-        await stream.aclose()  # cancels the consumer: the message it held goes back
-        while (await client.status("plain")).consumers:
+        await consumer.close()  # cancels the consumer: the message it held goes back
+        while (await client.queue_status("plain")).consumers:
             await asyncio.sleep(0.02)
         await client.close()
 
@@ -136,9 +136,9 @@ def test_declare_list_consumers_purge_and_delete(info: cluster.ClusterInfo) -> N
 
 def test_manual_sync_and_cancel(info: cluster.ClusterInfo) -> None:
     async def publish() -> None:
-        client = QueueClient([info.nodes[0].address])
-        await client.declare("manual.q")
-        await client.publisher("manual.q").publish([b"a", b"b", b"c"])
+        client = aio.Connection([info.nodes[0].address])
+        await client.declare_queue("manual.q")
+        await client.producer("manual.q").publish_many([b"a", b"b", b"c"])
         await client.close()
 
     asyncio.run(publish())
