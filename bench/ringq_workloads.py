@@ -12,21 +12,21 @@ the cluster differ:
   coordinator; the policy `ha` (`^ha\\.`, ha-mode all, ha-sync-mode automatic) is set through the
   coordinator. A queue is declared (durable) through node1, so its master is on node1, and every
   workload waits until both mirrors are synchronised before it starts.
-- Client: the Python ringq client (clients/python/ringq/queue.py) over gRPC asyncio, producer and
-  consumer in two separate processes (multiprocessing "spawn"), both connected to the master's node
-  first and failing over to the next node in order.
-- Producer: one Publish stream, messages numbered for an idempotent publisher id (as `Publisher`
-  does), at most 1000 unconfirmed messages in flight, sent in requests of at most 100 messages
-  (`Publisher`'s default batch); when paced, each 1 ms tick sends what has fallen due in one
-  request. Messages are transient (`persistent` false). A message counts when its confirm
-  (outcome CONFIRMED, or DUPLICATE for a resend the queue already held) arrives. When the stream
-  breaks, every unconfirmed message is sent again on a new stream through the next node
-  (`Publisher`'s resend on failover); the queue drops those it already has.
-- Consumer: `QueueClient.consume(prefetch=1000)` (it resumes on another node after a failover) and
-  one `QueueClient.settle` (a Settle RPC) per message, like the reference's one basic.ack per
-  message. The ack is not awaited before the next delivery is handled, as an AMQP basic.ack has
-  no reply; the prefetch bounds how many are outstanding. `ack_every` > 1 (not the reference's
-  method; for investigation only) settles every Nth delivery with `multiple`.
+- Client: the Python ringq SDK's asyncio API (clients/python/ringq/aio.py, `ringq.aio.Connection`)
+  over gRPC asyncio, producer and consumer in two separate processes (multiprocessing "spawn"), both
+  connected to the master's node first and failing over to the next node in order.
+- Producer: one Publish stream, messages numbered for an idempotent publisher id (as
+  `ringq.aio.Producer` does), at most 1000 unconfirmed messages in flight, sent in requests of at
+  most 100 messages (`Producer`'s default batch); when paced, each 1 ms tick sends what has fallen
+  due in one request. Messages are transient (`persistent` false). A message counts when its
+  confirm (outcome CONFIRMED, or DUPLICATE for a resend the queue already held) arrives. When the
+  stream breaks, every unconfirmed message is sent again on a new stream through the next node
+  (`Producer`'s resend on failover); the queue drops those it already has.
+- Consumer: `Connection.consumer(prefetch=1000)` (it resumes on another node after a failover) and
+  one `delivery.ack()` per message, sent on the consumer's own Consume stream, like the reference's
+  one basic.ack per message on its channel. The ack has no reply, as an AMQP basic.ack has none;
+  the prefetch bounds how many are outstanding. `ack_every` > 1 (not the reference's method; for
+  investigation only) acknowledges every Nth delivery with `multiple`.
 
 Beyond the reference's figures, for diagnosis (in each result's notes and details): the WARNING and
 ERROR lines the nodes logged during the workload; in W3, the messages still in the queue after the
@@ -87,7 +87,8 @@ from bench.reference.rabbitmq_workloads import (
     make_body,
     w2_result,
 )
-from ringq.queue import STREAM_RETRYABLE, QueueClient
+from ringq import aio
+from ringq.aio import STREAM_RETRYABLE
 from ringq.v1 import coordinator_pb2, coordinator_pb2_grpc, queue_pb2
 from services import cluster
 
@@ -105,7 +106,7 @@ NODE_ARGS = (
 POLICY_NAME = "ha"
 POLICY_PATTERN = r"^ha\."
 POLICY = {"ha-mode": "all", "ha-sync-mode": "automatic"}
-PUBLISH_BATCH = 100  # messages per PublishRequest at most: ringq.queue.Publisher's default
+PUBLISH_BATCH = 100  # messages per PublishRequest at most: ringq.aio.Producer's default
 MASTER_NODE = "node1"
 ADMIN_TIMEOUT_S = 30.0
 SYNC_TIMEOUT_S = 10.0
@@ -258,15 +259,18 @@ class RingqCluster:
         return "\n".join(out)
 
 
-def _admin(coroutine_factory: Callable[[QueueClient], Any], addresses: Sequence[str]) -> Any:
-    """Run one administrative coroutine with a fresh client (its own event loop), in the parent process."""
+def _admin(
+    coroutine_factory: Callable[[aio.Connection], Any], addresses: Sequence[str], retry_for: float = ADMIN_TIMEOUT_S
+) -> Any:
+    """Run one administrative coroutine with a fresh connection (its own event loop), in the parent process;
+    its calls retry through a failover for `retry_for` seconds."""
 
     async def run() -> Any:
-        client = QueueClient(addresses)
+        connection = aio.Connection(addresses, retry_for=retry_for)
         try:
-            return await asyncio.wait_for(coroutine_factory(client), ADMIN_TIMEOUT_S + 10)
+            return await asyncio.wait_for(coroutine_factory(connection), ADMIN_TIMEOUT_S + 10)
         finally:
-            await client.close()
+            await connection.close()
 
     return asyncio.run(run())
 
@@ -278,11 +282,11 @@ class QueueNotSynchronised(RuntimeError):
 def _declare_synchronised(rc: RingqCluster, queue: str, node: str, timeout: float) -> str:
     """Declare `queue` (durable) through `node` and wait until every mirror is synchronised; its master's node."""
 
-    async def declare(client: QueueClient) -> str:
-        info = await client.declare(queue, durable=True)
+    async def declare(connection: aio.Connection) -> str:
+        info = await connection.declare_queue(queue, durable=True)
         deadline = time.monotonic() + timeout
         while True:
-            status = await client.status(queue)
+            status = await connection.queue_status(queue)
             if len(status.synchronised_mirrors) >= rc.size - 1 and status.status == "running":
                 return str(status.master_node)
             if time.monotonic() > deadline:
@@ -326,8 +330,8 @@ def prepare_queue(
 
 
 def queue_master(rc: RingqCluster, queue: str) -> str:
-    async def status(client: QueueClient) -> str:
-        return str((await client.status(queue)).master_node)
+    async def status(connection: aio.Connection) -> str:
+        return str((await connection.queue_status(queue)).master_node)
 
     master: str = _admin(status, rc.live_addresses())
     return master
@@ -339,25 +343,26 @@ def take_leftovers(rc: RingqCluster, queue: str, idle_s: float = 1.0, limit_s: f
     numbers taken, or None if the queue could not be read. This tells a message the run's consumer had
     no time to take (still queued) from one that is gone."""
 
-    async def take(client: QueueClient) -> list[int]:
+    async def take(connection: aio.Connection) -> list[int]:
+        await connection.queue_status(queue)  # fails (-> None) if the queue cannot be read
         seqs: list[int] = []
-        stream = client.consume(queue, prefetch=PREFETCH, resume=False)
-        last: queue_pb2.QueueDelivery | None = None
+        consumer = connection.consumer(queue, prefetch=PREFETCH)
+        last: aio.Delivery | None = None
         deadline = time.monotonic() + limit_s
         try:
             while time.monotonic() < deadline:
                 try:
-                    delivery = await asyncio.wait_for(anext(stream), idle_s)
+                    delivery = await asyncio.wait_for(anext(consumer), idle_s)
                 except (TimeoutError, StopAsyncIteration):
                     break
                 seqs.append(HEADER.unpack_from(delivery.body)[0])
                 last = delivery
                 if len(seqs) % 500 == 0:
-                    await client.settle(queue, delivery, multiple=True)
+                    delivery.ack(multiple=True)
             if last is not None:
-                await client.settle(queue, last, multiple=True)
+                last.ack(multiple=True)
         finally:
-            await stream.aclose()
+            await consumer.close()
         return seqs
 
     try:
@@ -368,11 +373,11 @@ def take_leftovers(rc: RingqCluster, queue: str, idle_s: float = 1.0, limit_s: f
 
 
 def delete_queue(rc: RingqCluster, queue: str) -> None:
-    async def delete(client: QueueClient) -> None:
-        await client.call("DeleteQueue", queue_pb2.QueueDeleteRequest(queue=client.ref(queue)), attempts=10)
+    async def delete(connection: aio.Connection) -> None:
+        await connection.delete_queue(queue)
 
     with contextlib.suppress(Exception):
-        _admin(delete, rc.live_addresses())
+        _admin(delete, rc.live_addresses(), retry_for=5.0)
 
 
 # --- the client processes' reports ------------------------------------------------------------------
@@ -383,20 +388,20 @@ class RingqProducerReport(ProducerReport):
     duplicate_outcomes: int = 0  # resends the queue already held (answered DUPLICATE: nothing added)
     duplicate_seqs: array[int] = field(default_factory=lambda: array("q"))  # with record_confirmed
     confirmed_ns: array[int] = field(default_factory=lambda: array("q"))  # with record_confirmed: when each came
-    failovers: int = 0  # QueueClient.failed() calls: moves to the next node
+    failovers: int = 0  # Connection.failed() calls: moves to the next node
 
 
 @dataclass
 class RingqConsumerReport(ConsumerReport):
-    acks_sent: int = 0  # Settle RPCs
-    acks_refused: int = 0  # settle() returned False: the consumer was gone (after a failover)
-    ack_errors: int = 0
+    acks_sent: int = 0  # acks sent on the consume stream
+    acks_refused: int = 0  # ack() returned False: the delivery's stream was gone (after a failover)
+    ack_errors: int = 0  # consume streams the queue ended for an ack it refused (an unknown delivery tag)
     subscriptions: int = 0  # consumer tags seen: 1 + re-subscriptions
     failovers: int = 0
 
 
-class _CountingClient(QueueClient):
-    """QueueClient that counts its moves to the next node."""
+class _CountingConnection(aio.Connection):
+    """An aio.Connection that counts its moves to the next node."""
 
     def __init__(self, addresses: Sequence[str]) -> None:
         super().__init__(addresses)
@@ -447,7 +452,7 @@ class _Producer:
 
     async def run(self) -> RingqProducerReport:
         wall0, cpu0 = time.monotonic(), _cpu_seconds()
-        client = _CountingClient(self.cfg.addresses)
+        connection = _CountingConnection(self.cfg.addresses)
         finisher: asyncio.Future[None] | None = None
         lost_since: float | None = None
         try:
@@ -460,7 +465,7 @@ class _Producer:
                     self.started_shared.value = now / NS
                     self.last_confirm_ns = now
                     finisher = asyncio.ensure_future(self._finish())
-                worked = await self._session(client)
+                worked = await self._session(connection)
                 if self.done:
                     break
                 if worked or lost_since is None:  # it had worked: a new outage starts now
@@ -470,25 +475,25 @@ class _Producer:
                     break
                 if self.finishing:
                     break
-                client.failed()
+                connection.failed()
                 self.report.reconnects += 1
                 await asyncio.sleep(0.05)
         finally:
             if finisher is not None:
                 finisher.cancel()
-            await client.close()
+            await connection.close()
         self.report.sequence_numbers = self.next_seq
-        self.report.failovers = client.failovers
+        self.report.failovers = connection.failovers
         self.report.cpu_s = _cpu_seconds() - cpu0
         self.report.wall_s = time.monotonic() - wall0
         return self.report
 
-    async def _session(self, client: QueueClient) -> bool:
+    async def _session(self, connection: aio.Connection) -> bool:
         """One Publish stream: resend what is unconfirmed, then publish; True if any confirm came."""
-        call = client.stub().Publish()
+        call = connection.stub().Publish()
         self.call = call
         resend = sorted(self.pending)
-        writer = asyncio.ensure_future(self._write(call, client.ref(self.cfg.queue), resend))
+        writer = asyncio.ensure_future(self._write(call, connection.ref(self.cfg.queue), resend))
         worked = False
         try:
             while True:
@@ -627,7 +632,7 @@ class ConsumerConfig:
     addresses: list[str]
     queue: str
     prefetch: int = PREFETCH
-    ack_every: int = 1  # 1: one Settle per message (the reference's method); N: every Nth with `multiple`
+    ack_every: int = 1  # 1: one ack per message (the reference's method); N: every Nth with `multiple`
     drain: bool = False  # after stop: keep consuming until idle_s without a delivery (at most drain_s)
     idle_s: float = 1.5
     drain_s: float = 30.0
@@ -642,53 +647,53 @@ class _Consumer:
         self.stop = stop
         self.report = RingqConsumerReport()
         self.tags: set[str] = set()
-        self.acks: set[asyncio.Future[None]] = set()
         self.unacked = 0
         self.last_delivery = time.monotonic()
-        self.closing = False
 
     async def run(self) -> RingqConsumerReport:
         wall0, cpu0 = time.monotonic(), _cpu_seconds()
-        client = _CountingClient(self.cfg.addresses)
-        consuming = asyncio.ensure_future(self._consume(client))
+        connection = _CountingConnection(self.cfg.addresses)
+        consuming = asyncio.ensure_future(self._consume(connection))
         try:
-            await self._await_subscribed(client, consuming)
+            await self._await_subscribed(connection, consuming)
             self.ready.set()
             await self._await_stop()
         finally:
             consuming.cancel()
             with contextlib.suppress(BaseException):
                 await consuming
-            if self.acks:
-                await asyncio.wait(self.acks, timeout=5.0)
-            self.closing = True
-            await client.close()
+            await connection.close()
         self.report.subscriptions = len(self.tags)
         self.report.reconnects = max(0, len(self.tags) - 1)
-        self.report.failovers = client.failovers
+        self.report.failovers = connection.failovers
         self.report.cpu_s = _cpu_seconds() - cpu0
         self.report.wall_s = time.monotonic() - wall0
         return self.report
 
-    async def _consume(self, client: QueueClient) -> None:
+    async def _consume(self, connection: aio.Connection) -> None:
         while True:
+            consumer = connection.consumer(self.cfg.queue, prefetch=self.cfg.prefetch)
             try:
-                async for delivery in client.consume(self.cfg.queue, prefetch=self.cfg.prefetch):
-                    self._on_delivery(client, delivery)
+                async for delivery in consumer:
+                    self._on_delivery(delivery)
                 self.report.errors.append("connection lost: the consume stream ended")
-            except grpc.aio.AioRpcError as error:  # not retryable: QueueClient.consume retries the others itself
+            except grpc.aio.AioRpcError as error:  # not retryable, or out of retries: the consumer resumes itself
+                if "delivery tag" in (error.details() or ""):
+                    self.report.ack_errors += 1  # the queue refused an ack and ended the stream
                 self.report.errors.append(f"consume failed: {_error_text(error)}"[:200])
+            finally:
+                await consumer.close()
             await asyncio.sleep(0.05)
 
-    async def _await_subscribed(self, client: QueueClient, consuming: asyncio.Future[None]) -> None:
+    async def _await_subscribed(self, connection: aio.Connection, consuming: asyncio.Future[None]) -> None:
         """The consumer is attached once the queue reports it (the Consume stream answers only with deliveries)."""
         deadline = time.monotonic() + ADMIN_TIMEOUT_S
-        while (await client.status(self.cfg.queue)).consumers < 1:
+        while (await connection.queue_status(self.cfg.queue)).consumers < 1:
             if consuming.done() or time.monotonic() > deadline:
                 raise RuntimeError(f"the consumer did not attach to {self.cfg.queue}: {self.report.errors[:3]}")
             await asyncio.sleep(0.02)
 
-    def _on_delivery(self, client: QueueClient, delivery: queue_pb2.QueueDelivery) -> None:
+    def _on_delivery(self, delivery: aio.Delivery) -> None:
         now = time.monotonic_ns()
         seq, sent = HEADER.unpack_from(delivery.body)
         report = self.report
@@ -704,24 +709,11 @@ class _Consumer:
         self.unacked += 1
         if self.unacked >= self.cfg.ack_every:
             self.unacked = 0
-            task = asyncio.ensure_future(self._settle(client, delivery, self.cfg.ack_every > 1))
-            self.acks.add(task)
-            task.add_done_callback(self.acks.discard)
+            # On the consume stream, not awaited (it has no reply); False: the delivery's stream is gone.
+            report.acks_sent += 1
+            if not delivery.ack(multiple=self.cfg.ack_every > 1):
+                report.acks_refused += 1
         self.last_delivery = time.monotonic()
-
-    async def _settle(self, client: QueueClient, delivery: queue_pb2.QueueDelivery, multiple: bool) -> None:
-        self.report.acks_sent += 1
-        try:
-            settled = await client.settle(self.cfg.queue, delivery, multiple=multiple)
-        except grpc.aio.AioRpcError as error:
-            if self.closing and error.code() == grpc.StatusCode.CANCELLED:
-                return  # still in flight when the run ended
-            self.report.ack_errors += 1
-            if self.report.ack_errors <= 3:
-                self.report.errors.append(f"ack failed: {_error_text(error)}"[:200])
-            return
-        if not settled:
-            self.report.acks_refused += 1
 
     async def _await_stop(self) -> None:
         stop_seen_at: float | None = None
@@ -773,7 +765,7 @@ def _sync_note(problems: list[str]) -> str:
 
 
 def _ack_note(ack_every: int) -> str:
-    return "one Settle per message" if ack_every == 1 else f"Settle with multiple every {ack_every} messages"
+    return "one ack per message" if ack_every == 1 else f"an ack with multiple every {ack_every} messages"
 
 
 def run_w1(rc: RingqCluster, durations: Durations, queue: str = "ha.w1") -> WorkloadResult:
@@ -1073,8 +1065,8 @@ def run_ringq(
                 results.append(result)
     setup = (
         f"{NODES} nodes and a coordinator on 127.0.0.1 (node flags {' '.join(NODE_ARGS)}), queues mirrored by "
-        f"policy `{POLICY_NAME}` (`{POLICY_PATTERN}`, {json.dumps(POLICY)}); Python ringq client (gRPC asyncio), "
-        f"producer and consumer in separate processes; {PAYLOAD_SIZE}-byte transient bodies; confirms <= "
+        f"policy `{POLICY_NAME}` (`{POLICY_PATTERN}`, {json.dumps(POLICY)}); Python ringq SDK (ringq.aio, gRPC "
+        f"asyncio), producer and consumer in separate processes; {PAYLOAD_SIZE}-byte transient bodies; confirms <= "
         f"{MAX_IN_FLIGHT} in flight, <= {PUBLISH_BATCH} messages per Publish request; prefetch {PREFETCH}, "
         f"{_ack_note(ack_every)}"
     )
