@@ -1,0 +1,82 @@
+"""The image's HEALTHCHECK: does the ringq coordinator or node in this container accept gRPC connections?
+
+    python /opt/ringq/healthcheck.py [HOST:PORT]
+
+The address is the argument, else $RINGQ_HEALTHCHECK_ADDRESS, else the `--listen` of the ringq process
+running in this container (read from /proc), with a wildcard host (0.0.0.0, ::) replaced by loopback.
+Exit 0 once an HTTP/2 connection to it is up within TIMEOUT_SECONDS; otherwise exit 1 with one line on
+stderr, which Docker keeps in the health log (`docker inspect --format '{{json .State.Health}}' NAME`).
+
+What it proves: the gRPC server is listening and speaks HTTP/2. What it does not: that a node has
+registered with the coordinator or joined its rings (a node serves first and then waits for the
+coordinator for as long as it takes, so an unhealthy node would only hide a coordinator outage).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+import grpc
+
+TIMEOUT_SECONDS = 3.0
+ADDRESS_VARIABLE = "RINGQ_HEALTHCHECK_ADDRESS"
+_WILDCARD_HOSTS = ("0.0.0.0", "::", "[::]", "")
+
+
+def listen_address(command_lines: Iterable[Sequence[str]]) -> str | None:
+    """The first `--listen HOST:PORT` (or `--listen=HOST:PORT`) in `command_lines`, a wildcard host made loopback."""
+    for argv in command_lines:
+        for position, argument in enumerate(argv):
+            if argument == "--listen" and position + 1 < len(argv):
+                address = argv[position + 1]
+            elif argument.startswith("--listen="):
+                address = argument.removeprefix("--listen=")
+            else:
+                continue
+            host, _, port = address.rpartition(":")
+            return f"127.0.0.1:{port}" if host in _WILDCARD_HOSTS else address
+    return None
+
+
+def process_command_lines(proc: Path = Path("/proc")) -> list[list[str]]:
+    """The command lines of the other processes visible in `proc`, oldest (lowest pid) first."""
+    pids = sorted(
+        int(entry.name) for entry in proc.iterdir() if entry.name.isdigit() and int(entry.name) != os.getpid()
+    )
+    lines = []
+    for pid in pids:
+        try:
+            raw = (proc / str(pid) / "cmdline").read_bytes()
+        except OSError:  # gone since the listing, or not ours to read
+            continue
+        lines.append([part.decode(errors="replace") for part in raw.split(b"\0") if part])
+    return lines
+
+
+def probe(address: str, timeout: float = TIMEOUT_SECONDS) -> str | None:
+    """None when a gRPC channel to `address` becomes ready within `timeout` seconds, else why not."""
+    with grpc.insecure_channel(address) as channel:
+        try:
+            grpc.channel_ready_future(channel).result(timeout=timeout)
+        except grpc.FutureTimeoutError:
+            return f"no gRPC server answered at {address} within {timeout:g} s"
+    return None
+
+
+def main(argv: Sequence[str]) -> int:
+    address = argv[0] if argv else os.environ.get(ADDRESS_VARIABLE) or listen_address(process_command_lines())
+    if address is None:
+        print(f"healthcheck: no process with --listen here; give HOST:PORT or set ${ADDRESS_VARIABLE}", file=sys.stderr)
+        return 1
+    problem = probe(address)
+    if problem is not None:
+        print(f"healthcheck: {problem}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
