@@ -103,6 +103,24 @@ def test_asyncio_api_requeue_get_and_settle(sdk_cluster: cluster.ClusterInfo) ->
     asyncio.run(scenario())
 
 
+def test_status_counts_unacked_when_nothing_is_ready(sdk_cluster: cluster.ClusterInfo) -> None:
+    """Regression: with every message delivered and none acked, QueueStatus said depth 0 (a queue
+    whose ready list is empty is falsy), and `make demo` stopped draining 200-400 messages early."""
+
+    async def scenario() -> None:
+        async with aio.Connection(_addresses(sdk_cluster)) as connection:
+            await connection.declare_queue("ha.unacked")
+            await connection.producer("ha.unacked").publish_many([b"1", b"2", b"3"])
+            consumer = connection.consumer("ha.unacked", prefetch=10)
+            for _ in range(3):
+                await anext(aiter(consumer))
+            status = await connection.queue_status("ha.unacked")
+            assert (status.depth, status.ready, status.unacked) == (3, 0, 3)
+            await consumer.close()
+
+    asyncio.run(scenario())
+
+
 def test_errors_are_grpc_statuses(sdk_cluster: cluster.ClusterInfo) -> None:
     with ringq.Connection(_addresses(sdk_cluster), retry_for=2.0) as connection:
         with pytest.raises(grpc.aio.AioRpcError) as unknown:
