@@ -60,6 +60,10 @@ RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grp
 # A stream the broker ended while we were still writing to it reports INTERNAL
 # ("Failed execute_batch") rather than the broker's status: retry it too.
 STREAM_RETRYABLE = (*RETRYABLE, grpc.StatusCode.INTERNAL)
+# Acks are sent on the consume stream in requests of up to ACK_BATCH, after
+# waiting at most ACK_LINGER seconds for more to gather.
+ACK_BATCH = 256
+ACK_LINGER = 0.002
 _KINDS = {
     "ack": queue_pb2.SETTLE_KIND_ACK,
     "requeue": queue_pb2.SETTLE_KIND_REQUEUE,
@@ -617,6 +621,8 @@ class Consumer:
                 await call.write(attach)
                 while True:
                     await stream.wake.wait()
+                    if len(stream.settlements) < ACK_BATCH:
+                        await asyncio.sleep(ACK_LINGER)  # let acks gather: one request carries many
                     stream.wake.clear()
                     settlements, stream.settlements = stream.settlements, []
                     await call.write(queue_pb2.ConsumeRequest(settlements=settlements))
