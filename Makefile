@@ -1,6 +1,7 @@
 # ringq: every step a fresh clone needs lives here.
 #   make test     set up the virtualenv, generate code, lint, type-check, run the tests
-#   make demo     start a local 3-node cluster, run traffic through a member kill, print what each delivered
+#   make demo     a 3-node cluster, a mirrored queue through a SIGKILL of its master, the Spark lifecycle report
+#   make demo-ring  the GM ring alone through a member kill: what each member delivered
 #   make sim      run the deterministic ring simulation over SEEDS seeds (default 20000)
 #   make bench-gm measure confirmed-broadcast throughput through a 3-member ring of processes
 #   make bench    ringq mirrored queues vs RabbitMQ classic mirrored queues (W1-W3), updates docs/benchmarks.md
@@ -12,7 +13,7 @@ GEN := clients/python/ringq/v1
 PROTOS := $(wildcard protos/ringq/v1/*.proto)
 SEEDS ?= 20000
 
-.PHONY: all setup setup-zookeeper setup-rabbitmq protos lint test sim demo bench bench-gm bench-reference clean
+.PHONY: all setup setup-zookeeper setup-rabbitmq protos lint test sim demo demo-ring bench bench-gm bench-reference clean
 
 all: test
 
@@ -64,6 +65,9 @@ sim: setup
 
 demo: setup
 	$(PY) -m services.demo
+
+demo-ring: setup
+	$(PY) -m services.demo_ring
 
 bench: setup setup-rabbitmq
 	$(PY) -m bench.bench_queues --write docs/benchmarks.md

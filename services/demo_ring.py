@@ -1,6 +1,6 @@
-"""`make demo`: a local 3-node GM ring, traffic through a member kill, and what each member delivered.
+"""`make demo-ring`: a local 3-node GM ring, traffic through a member kill, and what each member delivered.
 
-Starts a coordinator and three nodes on 127.0.0.1 (in var/demo), joins one
+Starts a coordinator and three nodes on 127.0.0.1 (in var/demo-ring), joins one
 member per node, has the members on node1 and node2 broadcast numbered
 messages with confirms for about ten seconds, kills node3 with SIGKILL half
 way, and prints, per surviving member, what it delivered from each publisher
@@ -102,8 +102,8 @@ async def _run(directory: Path, seconds: float) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="make demo", description=__doc__)
-    parser.add_argument("--dir", type=Path, default=Path("var/demo"), help="cluster directory (default var/demo)")
+    parser = argparse.ArgumentParser(prog="make demo-ring", description=__doc__)
+    parser.add_argument("--dir", type=Path, default=Path("var/demo-ring"), help="cluster directory")
     parser.add_argument("--seconds", type=float, default=10.0, help="how long to publish (default 10)")
     args = parser.parse_args(argv)
     cluster.down(args.dir)
