@@ -2,7 +2,8 @@
 
     ringq coordinator [--listen HOST:PORT] [--ready-file PATH] [--store sqlite] [--db PATH]
     ringq coordinator [--listen HOST:PORT] [--ready-file PATH] --store zookeeper --zookeeper HOSTS [--zookeeper-root Z]
-    ringq node --id ID --coordinator HOST:PORT [--listen HOST:PORT] [--ready-file PATH] [timing flags]
+    ringq node --id ID --coordinator HOST:PORT [--listen HOST:PORT] [--advertise HOST:PORT] [--ready-file PATH]
+               [--data-dir DIR] [--trace-dir DIR] [--log-level L] [timing flags]
     ringq cluster up --nodes N --dir DIR [--base-port P] [--timeout S]
     ringq cluster status --dir DIR
     ringq cluster down --dir DIR [--timeout S]
@@ -101,9 +102,15 @@ _NODE_FLAGS = (
     "listen",
     "coordinator",
     "ready_file",
+    "advertise",
     "flush_interval_ms",
     "heartbeat_interval_ms",
     "failure_timeout_ms",
+    "grace_ms",
+    "membership_check_ms",
+    "data_dir",
+    "trace_dir",
+    "log_level",
 )
 
 
@@ -181,6 +188,12 @@ def build_parser() -> argparse.ArgumentParser:
     node.add_argument("--flush-interval-ms", type=_positive_int, metavar="N")
     node.add_argument("--heartbeat-interval-ms", type=_positive_int, metavar="N")
     node.add_argument("--failure-timeout-ms", type=_positive_int, metavar="N")
+    node.add_argument("--grace-ms", type=_positive_int, metavar="N")
+    node.add_argument("--membership-check-ms", type=_positive_int, metavar="N")
+    node.add_argument("--advertise", type=address_argument, help="HOST:PORT peers and clients dial (default --listen)")
+    node.add_argument("--data-dir", help="where durable queues keep their messages (default data/ID)")
+    node.add_argument("--trace-dir", help="also write spans as JSON lines here (docs/observability.md)")
+    node.add_argument("--log-level", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
 
     local = command(commands, "cluster", "start, inspect or stop a local cluster on 127.0.0.1", None)
     actions = local.add_subparsers(dest="action", required=True, metavar="ACTION")

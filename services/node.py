@@ -454,8 +454,15 @@ class PeerServicer(peer_pb2_grpc.PeerServiceServicer):
 # ---------------------------------------------------------------------- main
 
 
-async def serve(node_id: str, listen: str, coordinator: str, settings: NodeSettings, ready_file: str | None) -> None:
-    """Run a node until SIGTERM or SIGINT."""
+async def serve(
+    node_id: str,
+    listen: str,
+    coordinator: str,
+    settings: NodeSettings,
+    ready_file: str | None,
+    advertise: str | None = None,
+) -> None:
+    """Run a node until SIGTERM or SIGINT; peers and clients are told `advertise` (default: the bound address)."""
     server = grpc.aio.server(options=SERVER_OPTIONS)
     try:
         port = server.add_insecure_port(listen)
@@ -464,7 +471,7 @@ async def serve(node_id: str, listen: str, coordinator: str, settings: NodeSetti
     if port == 0:
         raise OSError(f"cannot listen on {listen}")
     host = listen.rsplit(":", 1)[0]
-    address = f"{host}:{port}"
+    address = advertise or f"{host}:{port}"
     # Membership changes wait for the coordinator as long as it takes: a ring
     # cannot change its view without it, and giving up would stop the member.
     client = CoordinatorClient(coordinator, retry_seconds=COORDINATOR_RETRY_SECONDS)
@@ -516,6 +523,12 @@ def parser() -> argparse.ArgumentParser:
         help="the coordinator's HOST:PORT (several, comma-separated, with the ZooKeeper store)",
     )
     out.add_argument("--ready-file", help="write the bound HOST:PORT here once serving")
+    out.add_argument(
+        "--advertise",
+        type=address_argument,
+        help="HOST:PORT that peers and clients should dial (default: the --listen address; "
+        "set it when listening on 0.0.0.0, e.g. in a container)",
+    )
     out.add_argument("--flush-interval-ms", type=_millis, default=str(defaults.flush_interval * 1000))
     out.add_argument("--heartbeat-interval-ms", type=_millis, default=str(defaults.heartbeat_interval * 1000))
     out.add_argument("--failure-timeout-ms", type=_millis, default=str(defaults.failure_timeout * 1000))
@@ -549,7 +562,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     tracing.configure("ringq-node", args.id, args.trace_dir)
     try:
-        asyncio.run(serve(args.id, args.listen, args.coordinator, settings, args.ready_file))
+        asyncio.run(serve(args.id, args.listen, args.coordinator, settings, args.ready_file, args.advertise))
     except OSError as error:
         print(f"ringq node: {error}", file=sys.stderr)
         return 1

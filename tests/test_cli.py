@@ -309,6 +309,14 @@ def test_node_command_forwards_its_flags(monkeypatch: pytest.MonkeyPatch) -> Non
     assert seen == [
         ["--id", "n1", "--listen", "127.0.0.1:7001", "--coordinator", "127.0.0.1:7000", "--heartbeat-interval-ms", "50"]
     ]
+    # Regression: these flags were refused by `ringq node` although the node takes them.
+    extra = ["--grace-ms", "5", "--membership-check-ms", "900", "--advertise", "node1:7101", "--data-dir", "d"]
+    extra += ["--trace-dir", "t", "--log-level", "WARNING"]
+    assert cli.main(["node", "--id", "n1", "--coordinator", "127.0.0.1:7000", *extra]) == 7
+    forwarded = seen[-1]
+    assert forwarded is not None
+    for flag, value in zip(extra[::2], extra[1::2], strict=True):
+        assert forwarded[forwarded.index(flag) + 1] == value
 
 
 # ---------------------------------------------------------------------------------------------- the library
