@@ -74,7 +74,7 @@ async function main(argv) {
 }
 
 /**
- * @param {ringq.Client} client
+ * @param {import('./ringq').Client} client
  * @param {string} queue
  * @param {number} count
  * @param {{ publisher?: string, declare?: boolean, durable?: boolean }} options
@@ -102,7 +102,7 @@ async function publish(client, queue, count, options) {
 }
 
 /**
- * @param {ringq.Client} client
+ * @param {import('./ringq').Client} client
  * @param {string} queue
  * @param {number} count
  * @param {number} prefetch
