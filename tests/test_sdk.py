@@ -121,6 +121,26 @@ def test_status_counts_unacked_when_nothing_is_ready(sdk_cluster: cluster.Cluste
     asyncio.run(scenario())
 
 
+def test_closing_a_consumer_applies_its_acks_first(sdk_cluster: cluster.ClusterInfo) -> None:
+    """close() half-closes the consume stream: the queue applies every ack sent, then ends the stream,
+    so right after close() the queue is empty (before, acks still queued in the client were lost)."""
+
+    async def scenario() -> None:
+        async with aio.Connection(_addresses(sdk_cluster)[2:]) as connection:  # through a forwarding node
+            await connection.declare_queue("ha.close")
+            await connection.producer("ha.close").publish_many([b"%d" % i for i in range(300)])
+            consumer = connection.consumer("ha.close", prefetch=300)
+            for _ in range(300):
+                assert (await anext(aiter(consumer))).ack()
+            started = time.monotonic()
+            await consumer.close()
+            assert time.monotonic() - started < 2.0, "the queue ended the stream: no timeout"
+            status = await connection.queue_status("ha.close")
+            assert (status.depth, status.consumers) == (0, 0)
+
+    asyncio.run(scenario())
+
+
 def test_errors_are_grpc_statuses(sdk_cluster: cluster.ClusterInfo) -> None:
     with ringq.Connection(_addresses(sdk_cluster), retry_for=2.0) as connection:
         with pytest.raises(grpc.aio.AioRpcError) as unknown:

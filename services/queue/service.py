@@ -11,7 +11,8 @@ master, e.g. during a promotion.
 Guarantees: a publish stream answers its batches in order; each message is
 answered exactly once, after the master's replicas hold it; a consume stream
 that ends (client gone) cancels its consumer, requeuing what it had not
-acknowledged.
+acknowledged; a consume stream the client half-closes has every settlement it
+carried applied before the consumer is cancelled and the stream ends with OK.
 """
 
 from __future__ import annotations
@@ -396,6 +397,7 @@ class QueueServicer(queue_pb2_grpc.QueueServiceServicer):
         except QueueError as error:
             await self._queue_error(context, error)
         refused: list[str] = []
+        half_closed: list[bool] = []
 
         async def settle_from_stream() -> None:
             async for request in requests:
@@ -410,11 +412,17 @@ class QueueServicer(queue_pb2_grpc.QueueServiceServicer):
                     refused.append(str(error))
                     consumer.deliveries.put_nowait(None)
                     return
+            # The client half-closed: its settlements are decided; cancel the consumer, end the stream (OK).
+            half_closed.append(True)
+            consumer.deliveries.put_nowait(None)
 
         settler = asyncio.ensure_future(settle_from_stream())
         try:
-            while (ready := await consumer.deliveries.get()) is not None:
+            while (ready := await consumer.deliveries.get()) is not None and not half_closed:
                 yield _delivery(ready)
+            if half_closed:
+                await replica.cancel(tag)  # after the settlements, in decision order
+                return
             if refused:
                 await context.abort(grpc.StatusCode[refused[0]], refused[1])
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"queue {record.name!r}: its master moved; resume")
@@ -438,6 +446,7 @@ class QueueServicer(queue_pb2_grpc.QueueServiceServicer):
                 await call.write(first)
                 async for request in requests:
                     await call.write(request)
+                await call.done_writing()  # the client half-closed: so do we
 
         pumping = asyncio.ensure_future(pump())
         try:

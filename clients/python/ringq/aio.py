@@ -497,9 +497,7 @@ class _Stream:
     number: int
     settlements: list[queue_pb2.Settlement] = field(default_factory=list)
     wake: asyncio.Event = field(default_factory=asyncio.Event)
-    unwritten: int = 0  # settlements queued and not yet written to the stream
-    written: asyncio.Event = field(default_factory=asyncio.Event)  # set whenever unwritten drops to 0
-    writer: asyncio.Future[None] | None = None
+    closing: bool = False  # write what is queued, then half-close: the queue applies it and ends the stream
 
 
 class Consumer:
@@ -517,6 +515,7 @@ class Consumer:
         self._runner: asyncio.Task[None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._loop_thread = 0
+        self._closing = False
 
     def start(self) -> None:
         """Attach the consumer now (iterating starts it too)."""
@@ -567,22 +566,18 @@ class Consumer:
 
     def _queue_settlement(self, stream: _Stream, settlement: queue_pb2.Settlement) -> None:
         stream.settlements.append(settlement)
-        stream.unwritten += 1
-        stream.written.clear()
         stream.wake.set()
 
-    async def close(self) -> None:
-        """Cancel the consumer, once the settlements queued on its stream are written (a few seconds at
-        most); what it had not settled is requeued by the queue."""
-        stream = self._stream
-        if stream.unwritten and stream.writer is not None and not stream.writer.done():
-            written = asyncio.ensure_future(stream.written.wait())
-            waiters: list[asyncio.Future[Any]] = [written, stream.writer]
-            try:  # until written, or the stream broke (its writer ends), or 5 s
-                await asyncio.wait(waiters, timeout=5.0, return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                written.cancel()
+    async def close(self, timeout: float = 5.0) -> None:
+        """Cancel the consumer: the settlements queued so far are sent, the queue applies them and ends
+        the stream (within `timeout` seconds, else the stream is cancelled); what was not settled is
+        requeued by the queue."""
+        self._closing = True
+        self._stream.closing = True
+        self._stream.wake.set()
         if self._runner is not None:
+            with contextlib.suppress(TimeoutError, asyncio.CancelledError):
+                await asyncio.wait_for(asyncio.shield(self._runner), timeout)
             self._runner.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._runner
@@ -599,7 +594,7 @@ class Consumer:
 
     async def _run(self) -> None:
         try:
-            while True:
+            while not self._closing:
                 async for attempt in self.connection.retrying(STREAM_RETRYABLE):
                     with attempt:
                         await self._consume()
@@ -621,16 +616,17 @@ class Consumer:
                 await call.write(attach)
                 while True:
                     await stream.wake.wait()
-                    if len(stream.settlements) < ACK_BATCH:
+                    if len(stream.settlements) < ACK_BATCH and not stream.closing:
                         await asyncio.sleep(ACK_LINGER)  # let acks gather: one request carries many
                     stream.wake.clear()
                     settlements, stream.settlements = stream.settlements, []
-                    await call.write(queue_pb2.ConsumeRequest(settlements=settlements))
-                    stream.unwritten -= len(settlements)
-                    if not stream.unwritten:
-                        stream.written.set()
+                    if settlements:
+                        await call.write(queue_pb2.ConsumeRequest(settlements=settlements))
+                    if stream.closing and not stream.settlements:
+                        await call.done_writing()
+                        return
 
-        writer = stream.writer = asyncio.ensure_future(write())
+        writer = asyncio.ensure_future(write())
         progressed = False
         history = self.connection.history
         try:
@@ -650,6 +646,8 @@ class Consumer:
                         delivery_count=delivery.delivery_count,
                     )
                 self._deliveries.put_nowait(delivery)
+            if self._closing:
+                return  # the queue applied our settlements and ended the stream
             raise grpc.aio.AioRpcError(  # the broker ended the stream: treat it as a node going away
                 grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(), "the consume stream ended", None
             )
