@@ -13,7 +13,7 @@ GEN := clients/python/ringq/v1
 PROTOS := $(wildcard protos/ringq/v1/*.proto)
 SEEDS ?= 20000
 
-.PHONY: all setup setup-zookeeper setup-rabbitmq protos lint test sim demo demo-ring bench bench-gm bench-reference clean
+.PHONY: all setup setup-node setup-zookeeper setup-rabbitmq protos lint test sim demo demo-ring bench bench-gm bench-reference clean
 
 all: test
 
@@ -33,6 +33,12 @@ $(GEN)/.stamp-protos: $(PROTOS) $(VENV)/.stamp-install
 	touch $@
 
 protos: $(GEN)/.stamp-protos
+
+# The Node.js client (clients/node) for the interop test: its pinned packages from the npm registry.
+setup-node:
+	@if command -v npm >/dev/null 2>&1; then \
+	  test -d clients/node/node_modules || (cd clients/node && npm ci --no-audit --no-fund --silent); \
+	else echo "npm not found: the Node.js interop test will be skipped"; fi
 
 # The store contract tests run against a real ZooKeeper (Debian's package,
 # started by the tests on 127.0.0.1 and stopped by them).
@@ -57,7 +63,7 @@ lint: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy
 
-test: setup setup-zookeeper lint
+test: setup setup-node setup-zookeeper lint
 	$(VENV)/bin/pytest -q
 
 sim: setup
