@@ -44,7 +44,7 @@ VIOLATION_CAP = 50
 PERCENTILE_ACCURACY = 10_000  # percentile_approx is exact (nearest rank) below this many values per stage
 
 
-# A light local session. Adaptive execution and whole-stage code generation are off: on the inputs this job
+# A light session. Adaptive execution and whole-stage code generation are off: on the inputs this job
 # sees (test and demo histories) planning and compiling cost more than they save (the test module runs ~30%
 # faster without them). Override any of these with `conf` / `--conf KEY=VALUE` for large inputs.
 SESSION_CONF: dict[str, str] = {
@@ -55,16 +55,22 @@ SESSION_CONF: dict[str, str] = {
     "spark.sql.session.timeZone": "UTC",
     "spark.sql.adaptive.enabled": "false",
     "spark.sql.codegen.wholeStage": "false",
-    "spark.driver.bindAddress": "127.0.0.1",
 }
+# Only for a local master: everything stays on the loopback interface, workers run this interpreter.
+LOCAL_CONF: dict[str, str] = {"spark.driver.bindAddress": "127.0.0.1", "spark.driver.host": "127.0.0.1"}
 
 
 def spark_session(master: str = DEFAULT_MASTER, conf: Mapping[str, str] | None = None) -> SparkSession:
-    """A new (or the running) session on `master` with SESSION_CONF, then `conf`; logs at ERROR."""
-    os.environ["PYSPARK_PYTHON"] = sys.executable
-    os.environ["SPARK_LOCAL_IP"] = "127.0.0.1"
+    """A new (or the running) session on `master` with SESSION_CONF, then `conf`; logs at ERROR. For a
+    local master, PYSPARK_PYTHON is this interpreter and SPARK_LOCAL_IP the loopback address; a cluster
+    master keeps the environment's (its executors cannot use either)."""
+    settings = dict(SESSION_CONF)
+    if master.startswith("local"):
+        os.environ["PYSPARK_PYTHON"] = sys.executable
+        os.environ["SPARK_LOCAL_IP"] = "127.0.0.1"
+        settings.update(LOCAL_CONF)
     builder = SparkSession.builder.master(master).appName("ringq-lifecycle")
-    for key, value in {**SESSION_CONF, **(conf or {})}.items():
+    for key, value in {**settings, **(conf or {})}.items():
         builder = builder.config(key, value)
     session = builder.getOrCreate()
     session.sparkContext.setLogLevel("ERROR")
@@ -81,7 +87,8 @@ def run_lifecycle(
 ) -> Summary:
     """Run the job over history files/directories and span files/directories; write every output to
     `out_dir` and return the Summary. Uses `spark` if given, else the active session, else a new one on
-    `master` with `conf` (stopped at the end). Raises InputError (before Spark starts) for missing inputs."""
+    `master` with `conf` (stopped at the end; `master` and `conf` only apply to a session started here).
+    Raises InputError (before Spark starts) for a missing input or no history file."""
     history_files = discover_history(history_paths)
     span_files = discover_spans(span_paths)
     out = Path(out_dir)

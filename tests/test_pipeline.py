@@ -318,6 +318,14 @@ def test_missing_span_dir_and_empty_history_dir_exit_2(tmp_path: Path) -> None:
     ]
 
 
+def test_bad_arguments_exit_2(tmp_path: Path) -> None:
+    stderr = io.StringIO()
+    with redirect_stderr(stderr), pytest.raises(SystemExit) as raised:
+        main(["--history", str(DATA / "traced"), "--conf", "no-equals-sign"])
+    assert raised.value.code == 2
+    assert "expected KEY=VALUE" in stderr.getvalue()
+
+
 def test_history_discovery(tmp_path: Path) -> None:
     (tmp_path / "spans-node1.jsonl").write_text("")
     (tmp_path / "run.jsonl").write_text("")
