@@ -5,6 +5,7 @@
 #   make sim      run the deterministic ring simulation over SEEDS seeds (default 20000)
 #   make bench-gm measure confirmed-broadcast throughput through a 3-member ring of processes
 #   make bench    ringq mirrored queues vs RabbitMQ classic mirrored queues (W1-W3), updates docs/benchmarks.md
+#   make bench-tracing  W1 with tracing off against a commit without the tracing hooks
 SHELL := /bin/bash
 PYTHON ?= python3
 VENV := .venv
@@ -13,7 +14,7 @@ GEN := clients/python/ringq/v1
 PROTOS := $(wildcard protos/ringq/v1/*.proto)
 SEEDS ?= 20000
 
-.PHONY: all setup setup-node setup-zookeeper setup-rabbitmq protos lint test sim demo demo-ring bench bench-gm bench-reference clean
+.PHONY: all setup setup-node setup-zookeeper setup-rabbitmq protos lint test sim demo demo-ring bench bench-gm bench-tracing bench-reference clean
 
 all: test
 
@@ -77,6 +78,9 @@ demo-ring: setup
 
 bench: setup setup-rabbitmq
 	$(PY) -m bench.bench_queues --write docs/benchmarks.md
+
+bench-tracing: setup
+	$(PY) -m bench.tracing_cost --runs 5 --write docs/benchmarks.md
 
 bench-gm: setup
 	$(PY) -m bench.bench_gm --write docs/benchmarks.md
