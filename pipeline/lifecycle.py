@@ -29,6 +29,7 @@ from pipeline.guarantees import KINDS, VIOLATION_COLUMNS, violations
 from pipeline.inputs import Input, InputStats, discover_history, discover_spans, read_history, read_spans
 from pipeline.summary import StageLatency, Summary, Violation
 from pipeline.tables import (
+    POSITIVE_OUTCOMES,
     STAGE_COLUMNS,
     STAGES,
     SpanLifecycle,
@@ -192,7 +193,7 @@ def _message_counts(messages: DataFrame) -> dict[str, int]:
     row = messages.agg(
         F.count(F.lit(1)).alias("messages"),
         F.count(F.when(published, 1)).alias("published"),
-        F.count(F.when(outcome.isin("confirmed", "duplicate"), 1)).alias("confirmed"),
+        F.count(F.when(outcome.isin(*POSITIVE_OUTCOMES), 1)).alias("confirmed"),
         F.count(F.when(published & outcome.isin("nacked", "rejected", "in_flight"), 1)).alias("unconfirmed"),
         F.count(F.when(outcome == "nacked", 1)).alias("nacked"),
         F.count(F.when(outcome == "rejected", 1)).alias("rejected"),
