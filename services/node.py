@@ -1,11 +1,13 @@
-"""A broker node: one process hosting GM ring members (and, later, queues).
+"""A broker node: one process hosting GM ring members and queue replicas.
 
 Responsible for: serving PeerService (links to other nodes, AddOnRight) and
 GroupService (applications joining groups) on one gRPC port, routing ring
 messages to the member of their group, registering with the coordinator, and
 detecting failed neighbours: a neighbour's node silent for the failure timeout,
-and still silent after a short grace (a partial partition may heal in between),
-is reported to the member, which records the death in the group table.
+or whose link broke and whose port then refused a new connection (its process
+is gone: no need to wait out the timeout), and still so after a short grace
+(a partial partition may heal in between), is reported to the member, which
+records the death in the group table.
 Guarantees: a node hosts at most one member per group; ring messages for a
 member this node does not host are dropped; SIGTERM makes every member leave
 gracefully before the process exits.
@@ -279,7 +281,7 @@ class Node:
                     (neighbours.left, neighbours.left_node),
                     (neighbours.right, neighbours.right_node),
                 ):
-                    if node != self.id and self.links.silent_for(node) > settings.failure_timeout:
+                    if node != self.id and self._suspected(node):
                         suspects.add((member.id, suspect))
             self._reported &= suspects
             now = time.monotonic()
@@ -298,6 +300,10 @@ class Node:
                 self._tasks.add(task)
                 task.add_done_callback(self._tasks.discard)
 
+    def _suspected(self, node: str) -> bool:
+        """Silent for the failure timeout, or its link broke and its port refuses a new one (process gone)."""
+        return self.links.silent_for(node) > self.settings.failure_timeout or self.links.refused(node)
+
     async def _report_after_grace(self, member_id: str, suspect: str) -> None:
         await asyncio.sleep(self.settings.grace)
         member = self.member_by_id(member_id)
@@ -305,7 +311,7 @@ class Node:
             return
         neighbours = member.neighbours
         node = neighbours.left_node if suspect == neighbours.left else neighbours.right_node
-        if self.links.silent_for(node) > self.settings.failure_timeout:
+        if self._suspected(node):
             log.info("member %s: neighbour %s on %s is down", member_id, suspect, node)
             member.post(lambda core: core.on_neighbour_down(suspect))
 

@@ -69,6 +69,10 @@ class _Link:
         self.peer_incarnation = ""
         self.next_message_id = 1
         self.stop_stream: Callable[[], None] | None = None
+        # Set when a dial after a lost link found nothing listening at the peer's
+        # address (connection refused): its process is gone, no need to wait out
+        # the failure timeout. A paused or partitioned peer is not refused.
+        self.refused = False
 
 
 class LinkManager:
@@ -123,6 +127,11 @@ class LinkManager:
             return 0.0
         return self.clock() - link.last_heard
 
+    def refused(self, peer: str) -> bool:
+        """True if the link to `peer` broke and redialling it found nothing listening (its process died)."""
+        link = self._links.get(peer)
+        return link is not None and not link.active and link.refused
+
     def is_idle(self, peer: str) -> bool:
         """True if nothing is waiting to be sent to `peer` (so a flush now adds no queueing)."""
         link = self._links.get(peer)
@@ -174,6 +183,7 @@ class LinkManager:
                         backoff = 0.02
                     except grpc.aio.AioRpcError as error:
                         log.debug("link to %s: %s", link.peer, error.code().name)
+                        link.refused = link.streams > 0 and _connection_refused(error)
                     except (TimeoutError, ConnectionError, FragmentError) as error:
                         log.debug("link to %s: %s", link.peer, error)
                 if link.active:
@@ -233,6 +243,7 @@ class LinkManager:
         cancel: Callable[[], object],
     ) -> None:
         link.active = True
+        link.refused = False
         link.streams += 1
         reconnected = link.streams > 1
         link.peer_incarnation = hello.incarnation
@@ -309,6 +320,12 @@ class LinkManager:
                         log.warning("dropping an unreadable message from %s: %s", link.peer, error)
                         continue
                     self.on_ring_message(link.peer, message)
+
+
+def _connection_refused(error: grpc.aio.AioRpcError) -> bool:
+    """gRPC's way of saying the peer's port is closed: UNAVAILABLE, "Connection refused" in the details."""
+    text = f"{error.details()} {error.debug_error_string()}"
+    return error.code() == grpc.StatusCode.UNAVAILABLE and "Connection refused" in text
 
 
 def _coalesce(item: peer_pb2.PeerFrame, outbox: asyncio.Queue[peer_pb2.PeerFrame]) -> peer_pb2.PeerFrame | None:
