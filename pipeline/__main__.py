@@ -1,6 +1,6 @@
 """`python -m pipeline`: run the lifecycle job from the command line.
 
-    python -m pipeline --history DIR_OR_FILE [...] [--spans DIR_OR_FILE ...] [--out DIR] [--master local[2]]
+    python -m pipeline --history DIR_OR_FILE [...] [--spans DIR_OR_FILE ...] [--out DIR] [--master local[*]]
                        [--conf KEY=VALUE ...] [--fail-on-violation]
 
 Responsible for: arguments, the console summary and the exit status. Guarantees: exit 0 after a

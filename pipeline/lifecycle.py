@@ -40,7 +40,7 @@ from pipeline.tables import (
 )
 
 DEFAULT_OUT = "var/pipeline"
-DEFAULT_MASTER = "local[2]"
+DEFAULT_MASTER = "local[*]"
 VIOLATION_CAP = 50
 PERCENTILE_ACCURACY = 10_000  # percentile_approx is exact (nearest rank) below this many values per stage
 
