@@ -48,8 +48,8 @@ class FakeCollector(metrics_service_pb2_grpc.MetricsServiceServicer, trace_servi
 def collector() -> Iterator[tuple[FakeCollector, str]]:
     fake = FakeCollector()
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
-    metrics_service_pb2_grpc.add_MetricsServiceServicer_to_server(fake, server)
-    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(fake, server)
+    metrics_service_pb2_grpc.add_MetricsServiceServicer_to_server(fake, server)  # type: ignore[no-untyped-call]
+    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(fake, server)  # type: ignore[no-untyped-call]
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
     try:

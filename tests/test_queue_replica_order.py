@@ -16,6 +16,7 @@ from typing import Any
 from services.coordinator.metadata import QueueRecord
 from services.queue import wire
 from services.queue.master import Publish
+from services.queue.metrics import QueueMetrics
 from services.queue.ops import Depth, Enqueue
 from services.queue.replica import QueueReplica
 
@@ -41,7 +42,7 @@ class FakeMember:
 
 class FakeHost:
     node_id = "node1"
-    metrics = None
+    metrics: QueueMetrics | None = None
 
     def new_member(self, group: str, events: Callable[[Any], None]) -> Any:
         raise AssertionError("not used")
