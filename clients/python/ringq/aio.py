@@ -78,6 +78,15 @@ def _retryable(codes: tuple[grpc.StatusCode, ...]) -> Callable[[BaseException], 
     return check
 
 
+def _stream_broke(connection: Connection, error: grpc.aio.AioRpcError, progressed: bool) -> None:
+    """A publish or consume stream broke. Re-raise what is not retryable, and a break before any
+    progress (the retry policy counts those); after progress, move to the next node and return, so the
+    caller opens a new stream with a fresh retry budget."""
+    if error.code() not in STREAM_RETRYABLE or not progressed:
+        raise error
+    connection.failed()
+
+
 class Outcome(enum.Enum):
     """What the queue did with a published message."""
 
@@ -403,13 +412,8 @@ class Producer:
                 if not self._unconfirmed:
                     self._idle.set()
         except grpc.aio.AioRpcError as error:
-            if error.code() not in STREAM_RETRYABLE:
-                raise
-            self.resends += 1
-            if progressed:  # a failover after progress starts a fresh retry budget
-                self.connection.failed()
-                return
-            raise
+            self.resends += error.code() in STREAM_RETRYABLE
+            _stream_broke(self.connection, error, progressed)
         finally:
             writer.cancel()
             call.cancel()
@@ -652,13 +656,8 @@ class Consumer:
                 grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(), "the consume stream ended", None
             )
         except grpc.aio.AioRpcError as error:
-            if error.code() not in STREAM_RETRYABLE:
-                raise
-            self.resumes += 1
-            if progressed:
-                self.connection.failed()
-                return
-            raise
+            self.resumes += error.code() in STREAM_RETRYABLE
+            _stream_broke(self.connection, error, progressed)
         finally:
             writer.cancel()
             call.cancel()
