@@ -251,6 +251,9 @@ def test_ringqctl_administers_a_live_coordinator(tmp_path: Path) -> None:
         assert cleared.returncode == 0 and "cleared" in cleared.stdout
         unknown = ringqctl(address, "clear_policy", "ha-two")
         assert unknown.returncode == 1 and unknown.stderr.startswith("ringqctl: NOT_FOUND")
+        nobody = ringqctl(address, "drain_node", "node9")
+        assert nobody.returncode == 1 and nobody.stderr.count("\n") == 1, nobody.stderr
+        assert nobody.stderr.startswith("ringqctl: NOT_FOUND"), nobody.stderr
     finally:
         process.terminate()
         process.wait(10)

@@ -190,3 +190,13 @@ def test_errors_and_nodes_tried_in_turn(info: cluster.ClusterInfo, dead_address:
     assert as_json(info, "list_consumers", node_env=dead_address)["queues"][0]["consumers"] is None
     failed(info, "--node", dead_address, "delete_queue", "strict", code="UNAVAILABLE")
     ok(info, "delete_queue", "strict")
+
+
+def test_drain_and_undrain_a_node(info: cluster.ClusterInfo) -> None:
+    assert "is draining" in ok(info, "drain_node", "node2")
+    nodes = {n["node"]: n for n in as_json(info, "cluster_status")["nodes"]}
+    assert nodes["node2"].get("draining") is True and not nodes["node1"].get("draining")
+    assert "takes new replicas again" in ok(info, "undrain_node", "node2")
+    nodes = {n["node"]: n for n in as_json(info, "cluster_status")["nodes"]}
+    assert not nodes["node2"].get("draining")
+    failed(info, "drain_node", "node9", code="NOT_FOUND")

@@ -2,8 +2,8 @@
 
     ringqctl [--coordinator HOST:PORT[,HOST:PORT...]] [--node HOST:PORT[,HOST:PORT...]] [--json] COMMAND ...
 
-Coordinator commands: cluster_status, set_policy, clear_policy, list_policies,
-list_leases. Queue commands, sent to a broker node's QueueService (which
+Coordinator commands: cluster_status, drain_node, undrain_node, set_policy,
+clear_policy, list_policies, list_leases. Queue commands, sent to a broker node's QueueService (which
 forwards them to the queue's master): declare_queue, delete_queue,
 purge_queue, sync_queue, cancel_sync_queue. list_queues and list_consumers
 take the queues from the coordinator and their depth, consumers and status
@@ -260,6 +260,18 @@ def cluster_status(c: Coordinators, args: argparse.Namespace) -> tuple[Any, str]
     return _as_json(status), text
 
 
+def drain_node(c: Coordinators, args: argparse.Namespace) -> tuple[Any, str]:
+    request = coordinator_pb2.SetNodeDrainingRequest(node=args.node_id, draining=True)
+    response = c.call(lambda s: s.SetNodeDraining, request)
+    return _as_json(response), f"node {args.node_id!r} is draining: no new replicas are placed on it"
+
+
+def undrain_node(c: Coordinators, args: argparse.Namespace) -> tuple[Any, str]:
+    request = coordinator_pb2.SetNodeDrainingRequest(node=args.node_id, draining=False)
+    response = c.call(lambda s: s.SetNodeDraining, request)
+    return _as_json(response), f"node {args.node_id!r} takes new replicas again"
+
+
 def set_policy(c: Coordinators, args: argparse.Namespace) -> tuple[Any, str]:
     policy = coordinator_pb2.Policy(
         vhost=args.vhost,
@@ -473,6 +485,11 @@ def parser() -> argparse.ArgumentParser:
         return sub
 
     command("cluster_status", cluster_status, "nodes, their liveness, coordinators and the store kind")
+    for name, run, text in (
+        ("drain_node", drain_node, "stop placing new replicas on a node (before taking it down)"),
+        ("undrain_node", undrain_node, "place new replicas on a node again"),
+    ):
+        command(name, run, text).add_argument("node_id", metavar="NODE", help="the node's id")
     sub = command("set_policy", set_policy, "create or replace a policy, applied to existing queues at once")
     sub.add_argument("-p", "--vhost", default="/", help="vhost (default /)")
     sub.add_argument("name")
