@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import shutil
 import signal
 import sys
@@ -31,7 +30,7 @@ from services import cluster
 NODE_ARGS = ["--failure-timeout-ms", "600", "--heartbeat-interval-ms", "100", "--grace-ms", "100"]
 QUEUE = "demo.orders"
 RATE = 1000  # messages a second, offered (the consumer keeps up on 2 cores, so latencies mean something)
-TRACE_SAMPLE = "0.02"  # one message in fifty carries a trace
+TRACE_SAMPLE = 0.02  # one message in fifty carries a trace (unless OTEL_TRACES_SAMPLER says otherwise)
 
 
 @dataclass
@@ -158,9 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     directory: Path = args.dir
     cluster.down(directory / "cluster")
     shutil.rmtree(directory, ignore_errors=True)
-    os.environ.setdefault("OTEL_TRACES_SAMPLER", "parentbased_traceidratio")
-    os.environ.setdefault("OTEL_TRACES_SAMPLER_ARG", TRACE_SAMPLE)
-    tracing.configure("ringq-client", "demo-clients", str(directory / "spans"))
+    tracing.configure("ringq-client", "demo-clients", str(directory / "spans"), sample_ratio=TRACE_SAMPLE)
     try:
         asyncio.run(_traffic(directory, args.seconds))
     finally:

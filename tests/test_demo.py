@@ -4,10 +4,12 @@ lifecycle job over what was recorded; nothing lost, duplicated or reordered, and
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
 
+from ringq import tracing
 from services import demo
 
 pytestmark = pytest.mark.integration
@@ -25,3 +27,5 @@ def test_demo_runs_through_a_master_kill_and_reports_nothing_lost(
     assert summary["failover"], "the fault is in the report"
     assert (tmp_path / "report" / "report.md").stat().st_size > 0
     assert (tmp_path / "report" / "latency.png").stat().st_size > 0
+    assert not tracing.enabled(), "the demo leaves tracing off in the process that ran it"
+    assert "OTEL_TRACES_SAMPLER" not in os.environ, "nor does it change the environment (it sampled a later test)"

@@ -15,7 +15,7 @@ from typing import Any
 
 from services.coordinator.metadata import QueueRecord
 from services.queue import wire
-from services.queue.master import Publish
+from services.queue.master import Publish, Settlement
 from services.queue.metrics import QueueMetrics
 from services.queue.ops import Depth, Enqueue
 from services.queue.replica import QueueReplica
@@ -72,3 +72,47 @@ def test_broadcasts_keep_the_order_steps_were_decided_in() -> None:
         return [type(wire.decode(bodies[0])) for bodies in member.queued]
 
     assert asyncio.run(scenario()) == [Enqueue, Depth]
+
+
+class SlowCommitter:
+    """A group commit that takes a while (a disk): only steps that logged something wait for it."""
+
+    async def commit(self) -> None:
+        await asyncio.sleep(0.05)
+
+
+class FakeLog:
+    def append_enqueue(self, message_id: int, data: bytes) -> None:
+        pass
+
+    def append_remove(self, ids: tuple[int, ...]) -> None:
+        pass
+
+
+def test_deliveries_reach_the_consumer_in_decision_order_when_an_ack_waits_for_the_disk() -> None:
+    """Found by the failover test: on a durable queue a step with acks waits for the group commit (the
+    acks are logged) and a later publish step did not, so its deliveries (higher tags, later messages)
+    overtook the ack step's; the consumer then acked a higher tag with `multiple` first and the lower
+    one came back as an unknown delivery tag, and publisher order was broken at the consumer."""
+
+    async def scenario() -> list[int]:
+        replica = QueueReplica(FakeHost(), QueueRecord("/", "q", master="node1", gm_group="queue.x"))
+        replica.member = FakeMember()  # type: ignore[assignment]
+        replica.log = FakeLog()  # type: ignore[assignment]
+        replica.committer = SlowCommitter()  # type: ignore[assignment]
+        await replica.publish_in_order([Publish(b"1"), Publish(b"2"), Publish(b"3")])
+        consumer = await replica.consume("c", prefetch=2, priority=0)
+        for _ in range(2):
+            await consumer.deliveries.get()
+        # Acks of tags 1 and 2 (logged: this step waits for the disk) let message 3 go out as tag 3 ...
+        replica.settle_now("c", [Settlement(2, True, "ack")])
+        # ... and message 4, published next (nothing to log), goes out as tag 4.
+        await replica.publish_in_order([Publish(b"4")])
+        tags = []
+        for _ in range(2):
+            delivery = await asyncio.wait_for(consumer.deliveries.get(), 5)
+            assert delivery is not None
+            tags.append(delivery.delivery_tag)
+        return tags
+
+    assert asyncio.run(scenario()) == [3, 4]

@@ -363,6 +363,10 @@ class QueueReplica:
                 await asyncio.shield(previous)  # nothing new: wait for what came before
             if durable is not None:
                 await durable
+            if previous is not None and not previous.done():
+                # Hand over in decision order: an earlier step may still wait for the disk (its
+                # acks are logged) while this one does not; its deliveries carry lower tags.
+                await asyncio.wait([previous])
         except BaseException as error:
             if not confirmed.done():
                 confirmed.set_exception(ConnectionAbortedError(f"queue {self.record.name}: {error!r}"))

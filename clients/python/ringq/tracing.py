@@ -27,6 +27,7 @@ from opentelemetry import trace
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
+from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 TRACE_DIR_ENV = "RINGQ_TRACE_DIR"
@@ -46,8 +47,11 @@ def metrics_enabled() -> bool:
     return _state["meters"] is not None
 
 
-def configure(service_name: str, process: str, trace_dir: str | None = None) -> bool:
+def configure(
+    service_name: str, process: str, trace_dir: str | None = None, sample_ratio: float | None = None
+) -> bool:
     """Install tracing for this process if an OTLP endpoint or a span directory is set; idempotent.
+    `sample_ratio` (0..1) traces that share of new traces (default: OTEL_TRACES_SAMPLER, else all).
     Returns whether tracing is on."""
     if enabled():
         return True
@@ -57,7 +61,10 @@ def configure(service_name: str, process: str, trace_dir: str | None = None) -> 
         return False
     service = os.environ.get("OTEL_SERVICE_NAME", service_name)
     resource = Resource.create({"service.name": service, "ringq.process": process})
-    provider = TracerProvider(resource=resource)
+    sampler = None
+    if sample_ratio is not None and "OTEL_TRACES_SAMPLER" not in os.environ:
+        sampler = ParentBased(TraceIdRatioBased(sample_ratio))
+    provider = TracerProvider(resource=resource, sampler=sampler)
     if directory:
         path = Path(directory) / f"spans-{process}.jsonl"
         exporter = JsonLinesSpanExporter(path, process, service)
