@@ -154,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dir", type=Path, default=Path("var/demo"), help="where everything goes (default var/demo)")
     parser.add_argument("--seconds", type=float, default=20.0, help="how long to publish (default 20)")
     args = parser.parse_args(argv)
-    directory: Path = args.dir
+    directory: Path = args.dir.resolve()  # the nodes run in their own directories: give them absolute paths
     cluster.down(directory / "cluster")
     shutil.rmtree(directory, ignore_errors=True)
     tracing.configure("ringq-client", "demo-clients", str(directory / "spans"), sample_ratio=TRACE_SAMPLE)

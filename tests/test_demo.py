@@ -16,15 +16,18 @@ pytestmark = pytest.mark.integration
 
 
 def test_demo_runs_through_a_master_kill_and_reports_nothing_lost(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    assert demo.main(["--seconds", "4", "--dir", str(tmp_path)]) == 0
+    monkeypatch.chdir(tmp_path.parent)
+    assert demo.main(["--seconds", "4", "--dir", tmp_path.name]) == 0  # relative, as `make demo` gives it
     out = capsys.readouterr().out
     assert "SIGKILL" in out and "promotion:" in out, out[-2000:]
     summary = json.loads((tmp_path / "report" / "summary.json").read_text())
     assert summary["lost"] == summary["duplicates"] == summary["order_violations"] == 0
     assert summary["confirmed"] > 1000 and summary["delivered"] == summary["confirmed"]
     assert summary["failover"], "the fault is in the report"
+    assert summary["traced"] > 0, "the nodes' spans were read (regression: a relative --trace-dir went astray)"
+    assert {"publish → enqueue", "ring hop"} <= {s["label"] for s in summary["stages"]}, summary["stages"]
     assert (tmp_path / "report" / "report.md").stat().st_size > 0
     assert (tmp_path / "report" / "latency.png").stat().st_size > 0
     assert not tracing.enabled(), "the demo leaves tracing off in the process that ran it"
