@@ -122,6 +122,12 @@ class QueueReplica:
         self._timer: asyncio.TimerHandle | None = None
 
     @property
+    def replicates_messages(self) -> bool:
+        """False for replication "wiring": mirrors keep the queue itself available (one is promoted,
+        empty, when the master dies) but hold no messages; the master broadcasts no reports."""
+        return self.record.replication != "wiring"
+
+    @property
     def is_master(self) -> bool:
         return self.master is not None
 
@@ -205,8 +211,11 @@ class QueueReplica:
             raise ConnectionError(f"queue {self.record.name}: could not join its group")
         if self.mirror is not None:
             self.mirror.member = member.id
-            self.status = "mirror"
-            if self.record.policy_definition.get("ha-sync-mode", "manual") == "automatic":
+            self.status = "mirror" if self.replicates_messages else "mirror (replication wiring: no messages)"
+            automatic = self.record.policy_definition.get("ha-sync-mode", "manual") == "automatic"
+            if not self.replicates_messages:
+                self._say(Synchronised(member.id))  # wiring: holding the queue is all a mirror is asked to
+            elif automatic:
                 self._say(self.mirror.request_sync())
         else:
             self.status = "running"
@@ -302,6 +311,8 @@ class QueueReplica:
         """ringqctl sync_queue: send every unsynchronised mirror what it lacks,
         batch by batch, while the queue keeps serving."""
         master = self._require_master()
+        if not self.replicates_messages:
+            return  # replication wiring: mirrors hold no messages, there is nothing to sync
         view = self.member.core.view if self.member is not None else None
         for member_id in view.live if view is not None else ():
             node = node_of(member_id)
@@ -337,7 +348,7 @@ class QueueReplica:
         failure: Exception | None = None
         if tracing.enabled():
             traces.enqueued(self.record.name, self.host.node_id, self.record.gm_group, step.reports)
-        if step.reports:
+        if step.reports and self.replicates_messages:
             try:
                 sent = member.broadcast_now([wire.encode(r) for r in step.reports], confirmed=True)
             except ConnectionAbortedError as error:
@@ -420,7 +431,7 @@ class QueueReplica:
             # Always: a synchronised mirror that diverged (a failed operation on
             # it) finds out at the next depth report and re-syncs.
             master = self.master
-            if master is not None and self.record.mirrors:
+            if master is not None and self.record.mirrors and self.replicates_messages:
                 await self._carry_out(master.depth_report())
 
     async def _sync(self, target: str) -> None:
@@ -534,7 +545,10 @@ class QueueReplica:
         view = self.member.core.view if self.member is not None else None
         live_nodes = {node_of(m) for m in (view.live if view is not None else self.members)}
         candidates = [m for m in record.mirrors if m in record.synchronised_mirrors and m in live_nodes]
-        promote_unsynchronised = record.policy_definition.get("ha-promote-on-failure", "when-synced") == "always"
+        promote_unsynchronised = (
+            record.policy_definition.get("ha-promote-on-failure", "when-synced") == "always"
+            or not self.replicates_messages  # wiring: messages were never replicated, the queue goes on
+        )
         if not candidates and promote_unsynchronised:
             candidates = [m for m in record.mirrors if m in live_nodes]
         if not candidates:
@@ -563,7 +577,10 @@ class QueueReplica:
         self.master, step = mirror.promote(self.limits)
         self.mirror = None
         await asyncio.to_thread(self._snapshot_to_new_log)
-        self.status = "running" if synced else "running (promoted unsynchronised: messages may be lost)"
+        if not self.replicates_messages:
+            self.status = "running (replication wiring: promoted empty, the old master's messages are lost)"
+        else:
+            self.status = "running" if synced else "running (promoted unsynchronised: messages may be lost)"
         log.info("queue %s: promoted on %s (%s)", record.name, self.host.node_id, self.status)
         await self._update(promote)
         await self._carry_out(step)
