@@ -18,7 +18,10 @@ Guarantees:
 - A `Consumer` acknowledges on its own stream (acks cost no call each and
   reach the node of the consumer, in order). After a failover it resumes on
   any node; deliveries it had not settled come back flagged redelivered,
-  and settling one of the old stream's deliveries returns False.
+  and settling one of the old stream's deliveries returns False. A
+  redelivery of a message it had acknowledged (the ack was lost with the
+  master) is acknowledged again and not handed to the application: it
+  remembers its last 100,000 acknowledged (publisher, seq).
 
     async with Connection(["127.0.0.1:7101", "127.0.0.1:7102"]) as connection:
         await connection.declare_queue("orders", durable=True)
@@ -37,7 +40,7 @@ import enum
 import json
 import threading
 import uuid
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -64,6 +67,8 @@ STREAM_RETRYABLE = (*RETRYABLE, grpc.StatusCode.INTERNAL)
 # waiting at most ACK_LINGER seconds for more to gather.
 ACK_BATCH = 256
 ACK_LINGER = 0.002
+# How many acknowledged messages a consumer remembers, to recognise their redeliveries.
+ACKED_MEMORY = 100_000
 _KINDS = {
     "ack": queue_pb2.SETTLE_KIND_ACK,
     "requeue": queue_pb2.SETTLE_KIND_REQUEUE,
@@ -502,6 +507,9 @@ class _Stream:
     settlements: list[queue_pb2.Settlement] = field(default_factory=list)
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     closing: bool = False  # write what is queued, then half-close: the queue applies it and ends the stream
+    # Deliveries handed to the application and not settled yet: delivery tag -> (publisher, seq), or None
+    # for a message published without a seq (it cannot be recognised again).
+    unsettled: dict[int, tuple[str, int] | None] = field(default_factory=dict)
 
 
 class Consumer:
@@ -514,6 +522,8 @@ class Consumer:
         self.priority = priority
         self.consumer_tag = consumer_tag
         self.resumes = 0  # streams reopened after a failover
+        self.acked_redeliveries = 0  # redeliveries of messages acknowledged before: acked again, not handed over
+        self._acked: OrderedDict[tuple[str, int], None] = OrderedDict()  # (publisher, seq) acknowledged lately
         self._deliveries: asyncio.Queue[Delivery | BaseException | None] = asyncio.Queue()
         self._stream = _Stream(0)
         self._runner: asyncio.Task[None] | None = None
@@ -569,8 +579,28 @@ class Consumer:
         return True
 
     def _queue_settlement(self, stream: _Stream, settlement: queue_pb2.Settlement) -> None:
+        tag = settlement.delivery_tag
+        tags = [t for t in stream.unsettled if t <= tag] if settlement.multiple else [tag]
+        for settled in tags:
+            key = stream.unsettled.pop(settled, None)
+            if key is not None and settlement.kind == queue_pb2.SETTLE_KIND_ACK:
+                self._acked[key] = None
+                while len(self._acked) > ACKED_MEMORY:
+                    self._acked.popitem(last=False)
         stream.settlements.append(settlement)
         stream.wake.set()
+
+    def _already_acked(self, stream: _Stream, delivery: Delivery) -> bool:
+        """True for a redelivery of a message this consumer acknowledged (its ack went with a master that
+        died): it is acknowledged again here and not handed to the application twice."""
+        key = (delivery.publisher, delivery.seq) if delivery.publisher and delivery.seq else None
+        if delivery.redelivered and key is not None and key in self._acked:
+            self.acked_redeliveries += 1
+            ack = queue_pb2.Settlement(delivery_tag=delivery.delivery_tag, kind=queue_pb2.SETTLE_KIND_ACK)
+            self._queue_settlement(stream, ack)
+            return True
+        stream.unsettled[delivery.delivery_tag] = key
+        return False
 
     async def close(self, timeout: float = 5.0) -> None:
         """Cancel the consumer: the settlements queued so far are sent, the queue applies them and ends
@@ -637,6 +667,8 @@ class Consumer:
             async for message in call:
                 delivery = Delivery(message, self.queue, self, stream.number)
                 progressed = True
+                if self._already_acked(stream, delivery):
+                    continue
                 if tracing.enabled():
                     tracing.event_span("ringq.receive", delivery.headers, self._attributes(delivery))
                 if history.on:
