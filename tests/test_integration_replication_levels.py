@@ -13,27 +13,21 @@ from collections.abc import Iterator
 import grpc
 import pytest
 
-import ringq
 from ringq import aio
 from services import cluster
-from tests.test_integration_queue import NODE_ARGS
+from tests.clusters import live_cluster
 
 pytestmark = pytest.mark.integration
+LEVEL_POLICIES = {
+    "wiring": ("^wiring\\.", {"ha-mode": "all", "replication": "wiring"}),
+    "local": ("^local\\.", {"replication": "none"}),
+}
 
 
 @pytest.fixture
 def levels_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[cluster.ClusterInfo]:
-    directory = tmp_path_factory.mktemp("levels")
-    info = cluster.up(3, directory, node_args=NODE_ARGS)
-    try:
-        admin = ringq.Admin(info.coordinator.address)
-        admin.set_policy("wiring", "^wiring\\.", {"ha-mode": "all", "replication": "wiring"})
-        admin.set_policy("local", "^local\\.", {"replication": "none"})
-        admin.close()
-        time.sleep(2.0)  # every node live
+    with live_cluster(tmp_path_factory.mktemp("levels"), LEVEL_POLICIES) as info:
         yield info
-    finally:
-        cluster.down(directory)
 
 
 def test_wiring_keeps_the_queue_available_but_not_its_messages(levels_cluster: cluster.ClusterInfo) -> None:

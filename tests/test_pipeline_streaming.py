@@ -22,7 +22,7 @@ import ringq
 from pipeline.lifecycle import spark_session
 from pipeline.streaming import QueueOptions, RingqOptionError, SinkOptions, SourceOptions, register
 from services import cluster
-from tests.test_integration_queue import NODE_ARGS
+from tests.clusters import live_cluster
 
 pytestmark = pytest.mark.integration
 
@@ -31,16 +31,8 @@ QUERY_TIMEOUT = 60  # seconds
 
 @pytest.fixture(scope="module")
 def ring(tmp_path_factory: pytest.TempPathFactory) -> Iterator[cluster.ClusterInfo]:
-    directory = tmp_path_factory.mktemp("streaming")
-    info = cluster.up(3, directory, node_args=NODE_ARGS)
-    try:
-        admin = ringq.Admin(info.coordinator.address)
-        admin.set_policy("ha", "^ha\\.", {"ha-mode": "all", "ha-sync-mode": "automatic"})
-        admin.close()
-        time.sleep(2.0)  # every node's heartbeat reached the coordinator
+    with live_cluster(tmp_path_factory.mktemp("streaming")) as info:
         yield info
-    finally:
-        cluster.down(directory)
 
 
 @pytest.fixture(scope="module")

@@ -16,23 +16,15 @@ import pytest
 import ringq
 from ringq import aio
 from services import cluster
-from tests.test_integration_queue import NODE_ARGS
+from tests.clusters import live_cluster
 
 pytestmark = pytest.mark.integration
 
 
 @pytest.fixture(scope="module")
 def sdk_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[cluster.ClusterInfo]:
-    directory = tmp_path_factory.mktemp("sdk")
-    info = cluster.up(3, directory, node_args=NODE_ARGS)
-    try:
-        admin = ringq.Admin(info.coordinator.address)
-        admin.set_policy("ha", "^ha\\.", {"ha-mode": "all", "ha-sync-mode": "automatic"})
-        admin.close()
-        time.sleep(2.0)  # every node's heartbeat reached the coordinator
+    with live_cluster(tmp_path_factory.mktemp("sdk")) as info:
         yield info
-    finally:
-        cluster.down(directory)
 
 
 def _addresses(info: cluster.ClusterInfo) -> list[str]:
