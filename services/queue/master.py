@@ -233,20 +233,16 @@ class QueueMaster:
     # ---------------------------------------------------------- settlement
 
     def ack(self, consumer: str, delivery_tag: int, multiple: bool = False) -> Step:
-        step = Step()
-        self._report(Settle(tuple(self._take_tags(consumer, delivery_tag, multiple))), step)
-        self._dispatch(step)
-        return step
+        return self._settle_one(consumer, Settlement(delivery_tag, multiple, "ack"))
 
     def nack(self, consumer: str, delivery_tag: int, multiple: bool = False, requeue: bool = True) -> Step:
         """Negative acknowledgement (reject is nack without multiple)."""
-        step = Step()
-        ids = self._take_tags(consumer, delivery_tag, multiple)
-        if requeue:
-            self._requeue(ids, step)
-        else:
-            self._discard(ids, "rejected", step)
-        self._dispatch(step)
+        return self._settle_one(consumer, Settlement(delivery_tag, multiple, "requeue" if requeue else "reject"))
+
+    def _settle_one(self, consumer: str, settlement: Settlement) -> Step:
+        step, error = self.settle(consumer, [settlement])
+        if error is not None:
+            raise error
         return step
 
     def settle(self, consumer: str, settlements: Sequence[Settlement]) -> tuple[Step, QueueError | None]:
@@ -274,7 +270,8 @@ class QueueMaster:
                 self._discard(ids, "rejected", step)
         if acked:
             self._report(Settle(tuple(acked)), step)
-        self._dispatch(step)
+        if step.reports:  # something was settled: room for deliveries (an unknown tag alone changes nothing)
+            self._dispatch(step)
         return step, error
 
     def _take_tags(self, consumer_tag: str, delivery_tag: int, multiple: bool) -> list[int]:
