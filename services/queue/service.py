@@ -62,9 +62,11 @@ def _trace_forward(request: queue_pb2.PublishRequest, node: str) -> None:
             tracing.event_span("ringq.forward", message.headers, attributes)
 
 
-def _settlement(settlement: queue_pb2.Settlement) -> Settlement | None:
+def _settlement(settlement: queue_pb2.Settlement) -> Settlement:
     kind = _SETTLE.get(settlement.kind)
-    return None if kind is None else Settlement(settlement.delivery_tag, settlement.multiple, kind)
+    if kind is None:
+        raise QueueError("INVALID_ARGUMENT", "a settlement's kind must be ACK, REQUEUE or REJECT")
+    return Settlement(settlement.delivery_tag, settlement.multiple, kind)
 
 
 def _vhost(ref: queue_pb2.QueueRef) -> str:
@@ -396,35 +398,32 @@ class QueueServicer(queue_pb2_grpc.QueueServiceServicer):
             consumer = await replica.consume(tag, first.prefetch, first.priority)
         except QueueError as error:
             await self._queue_error(context, error)
-        refused: list[str] = []
-        half_closed: list[bool] = []
+        refused: list[QueueError] = []
+        half_closed = asyncio.Event()
 
         async def settle_from_stream() -> None:
             async for request in requests:
-                settlements = [_settlement(s) for s in request.settlements]
-                error = (
-                    QueueError("INVALID_ARGUMENT", "a settlement's kind must be ACK, REQUEUE or REJECT")
-                    if None in settlements
-                    else replica.settle_now(tag, [s for s in settlements if s is not None])
-                )
+                try:
+                    error = replica.settle_now(tag, [_settlement(s) for s in request.settlements])
+                except QueueError as bad:
+                    error = bad
                 if error is not None:
-                    refused.append(error.code)
-                    refused.append(str(error))
+                    refused.append(error)
                     consumer.deliveries.put_nowait(None)
                     return
             # The client half-closed: its settlements are decided; cancel the consumer, end the stream (OK).
-            half_closed.append(True)
+            half_closed.set()
             consumer.deliveries.put_nowait(None)
 
         settler = asyncio.ensure_future(settle_from_stream())
         try:
-            while (ready := await consumer.deliveries.get()) is not None and not half_closed:
+            while (ready := await consumer.deliveries.get()) is not None and not half_closed.is_set():
                 yield _delivery(ready)
-            if half_closed:
+            if half_closed.is_set():
                 await replica.cancel(tag)  # after the settlements, in decision order
                 return
             if refused:
-                await context.abort(grpc.StatusCode[refused[0]], refused[1])
+                await self._queue_error(context, refused[0])
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"queue {record.name!r}: its master moved; resume")
         finally:
             settler.cancel()
