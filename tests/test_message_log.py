@@ -28,6 +28,7 @@ import pytest
 from services.queue import message_log
 from services.queue.message_log import (
     HEADER_BYTES,
+    MAX_MARK_BYTES,
     FileMessageLog,
     LogClosedError,
     LogFailedError,
@@ -135,6 +136,31 @@ def test_recover_returns_what_was_flushed_and_a_restart_loses_the_rest(opener: O
     restarted = opener.restart(log)  # a crash: the unflushed enqueue and remove are gone
     assert restarted.recover() == [(1, b"one")]
     assert restarted.live_count() == 1
+
+
+def test_the_mark_is_the_newest_flushed_one(opener: Opener, log: MessageLog) -> None:
+    assert log.mark() == b""
+    log.append_enqueue(1, b"one")
+    log.append_mark(b"position 1")
+    assert log.mark() == b""  # not flushed yet
+    log.flush()
+    assert log.mark() == b"position 1"
+    log.append_remove([1])
+    log.append_mark(b"position 2")
+    restarted = opener.restart(log)  # the crash takes the unflushed mark with the remove
+    assert restarted.mark() == b"position 1"
+    assert restarted.recover() == [(1, b"one")]
+    restarted.append_mark(b"position 3")
+    restarted.flush()
+    assert opener.restart(restarted).mark() == b"position 3"
+
+
+def test_a_mark_is_short(log: MessageLog) -> None:
+    with pytest.raises(ValueError, match="exceeds"):
+        log.append_mark(b"x" * (MAX_MARK_BYTES + 1))
+    log.append_mark(b"x" * MAX_MARK_BYTES)
+    log.flush()
+    assert log.mark() == b"x" * MAX_MARK_BYTES
 
 
 def test_removes(opener: Opener, log: MessageLog) -> None:
@@ -485,6 +511,46 @@ def compaction_workload(log: FileMessageLog) -> list[tuple[int, bytes]]:
     log.append_remove(i for i in range(1, 181) if i % 17)
     log.flush()  # this flush compacts
     return [(i, payload_for(i, 50)) for i in range(1, 201) if i % 17 == 0 or i > 180]
+
+
+def test_the_newest_mark_survives_compaction_and_collection(tmp_path: Path) -> None:
+    directory = tmp_path / "log"
+    steps: list[str] = []
+    with open_file_log(directory, 1024, fault_hook=steps.append) as log:
+        for message_id in range(1, 201):
+            log.append_enqueue(message_id, payload_for(message_id, 50))
+            if message_id % 10 == 0:
+                log.append_mark(f"after {message_id}".encode())
+                log.flush()
+        for message_id in range(201, 401):  # later flushes without a mark fill later segments
+            log.append_enqueue(message_id, payload_for(message_id, 50))
+            if message_id % 10 == 0:
+                log.flush()
+        log.append_remove(i for i in range(1, 381) if i % 17)
+        log.flush()  # compacts the segments the marks were written in
+        assert "compaction.renamed" in steps
+        assert log.mark() == b"after 200"
+    with open_file_log(directory, 1024) as log:
+        assert log.mark() == b"after 200"
+
+
+def test_the_segment_holding_the_newest_mark_is_not_collected(tmp_path: Path) -> None:
+    directory = tmp_path / "log"
+    with open_file_log(directory, 1024) as log:
+        for message_id in range(1, 31):
+            log.append_enqueue(message_id, payload_for(message_id, 50))
+            if message_id % 10 == 0:
+                log.flush()
+        log.append_mark(b"after 30")
+        log.flush()
+        for message_id in range(31, 121):  # later segments, no mark; every message up to 90 removed
+            log.append_enqueue(message_id, payload_for(message_id, 50))
+            log.append_remove([message_id - 30])
+            log.flush()
+        assert log.mark() == b"after 30"
+    with open_file_log(directory, 1024) as log:
+        assert log.mark() == b"after 30"
+        assert [i for i, _ in log.recover()] == list(range(91, 121))
 
 
 def test_compaction_keeps_exactly_the_live_messages_in_order(tmp_path: Path) -> None:

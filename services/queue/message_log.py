@@ -27,6 +27,12 @@ The contract (`MessageLog`):
   no-op. `live_count` counts every appended operation, flushed or not.
 - `close` does not flush: anything appended since the last flush is dropped,
   exactly as in a crash.
+- A *mark* is a short opaque value the owner appends with its operations
+  (`append_mark`; ringq stores the replica's position in its master's report
+  stream). `mark()` is the last mark of the state `recover` returns: a
+  recovered log knows how far its owner had got. Marks are ordered with the
+  operations like everything else; a mark whose flush was cut short by a
+  crash is not recovered, the one before it is.
 
 `FileMessageLog` on disk (one writer per directory, enforced with an
 exclusive `flock` on `LOCK`; a second opener gets `LogLockedError`):
@@ -35,7 +41,9 @@ exclusive `flock` on `LOCK`; a second opener gets `LogLockedError`):
   header (magic, type, format version, reserved, body length, CRC32) and a
   body; the CRC covers the header fields after the magic and the body.
   Records: ENQUEUE (id, payload), REMOVE (ids), SNAPSHOT (first record of a
-  compacted segment).
+  compacted segment), MARK (the owner's value, at most 256 bytes). A snapshot
+  carries the newest mark after its messages, and garbage collection keeps
+  the segment holding the newest mark, so it survives both.
 - Write order: a flush writes its records and fsyncs the segment; a segment is
   fsynced before the next one is created, and the directory is fsynced after
   every file is created, renamed or deleted. So on disk, every segment but
@@ -98,6 +106,7 @@ __all__ = [
     "LogClosedError",
     "LogFailedError",
     "LogLockedError",
+    "MAX_MARK_BYTES",
     "MemoryMessageLog",
     "MessageLog",
     "MessageLogError",
@@ -121,6 +130,7 @@ _VERSION: Final = 1
 _ENQUEUE: Final = 1
 _REMOVE: Final = 2
 _SNAPSHOT: Final = 3
+_MARK: Final = 4
 _FIELDS: Final = struct.Struct("<BBHI")  # the header after the magic, before the CRC
 _CRC: Final = struct.Struct("<I")
 _ID: Final = struct.Struct("<Q")
@@ -128,6 +138,7 @@ _MAX_BODY: Final = 0xFFFF_FFFF
 MAX_PAYLOAD_BYTES: Final = _MAX_BODY - _ID.size
 _MAX_IDS_PER_RECORD: Final = 1 << 20
 _MAX_ID: Final = (1 << 64) - 1
+MAX_MARK_BYTES: Final = 256
 
 _SEGMENT_SUFFIX: Final = ".seg"
 _COMPACTING_SUFFIX: Final = ".seg.compacting"
@@ -171,6 +182,9 @@ def _parse_record(data: memoryview, offset: int) -> tuple[int, int, int] | str:
     elif rtype == _SNAPSHOT:
         if length != _ID.size:
             return "malformed snapshot"
+    elif rtype == _MARK:
+        if length > MAX_MARK_BYTES:
+            return "malformed mark"
     else:
         return f"unknown record type {rtype}"
     return rtype, body, end
@@ -214,6 +228,14 @@ class MessageLog(Protocol):
         """The live messages as of the last completed flush, in enqueue order (meant for once, after opening)."""
         ...
 
+    def append_mark(self, mark: bytes) -> None:
+        """Buffer a mark (at most MAX_MARK_BYTES), ordered with the operations around it."""
+        ...
+
+    def mark(self) -> bytes:
+        """The newest mark as of the last completed flush (or recovered at opening); b"" if none."""
+        ...
+
     def live_count(self) -> int:
         """Messages enqueued and not removed, counting operations not flushed yet."""
         ...
@@ -230,6 +252,13 @@ def _check_new_id(message_id: int, last_id: int) -> None:
         raise ValueError(f"message id must be in 1..2**64-1, got {message_id}")
     if message_id <= last_id:
         raise ValueError(f"message ids must increase: {message_id} after {last_id}")
+
+
+def _check_mark(mark: bytes) -> bytes:
+    data = bytes(mark)
+    if len(data) > MAX_MARK_BYTES:
+        raise ValueError(f"a mark of {len(data)} bytes exceeds {MAX_MARK_BYTES}")
+    return data
 
 
 def _check_payload(payload: bytes) -> bytes:
@@ -251,8 +280,9 @@ class MemoryMessageLog:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._pending: list[tuple[int, bytes] | list[int]] = []
+        self._pending: list[tuple[int, bytes] | list[int] | bytes] = []
         self._flushed: dict[int, bytes] = {}
+        self._mark = b""
         self._live: set[int] = set()
         self._last_id = 0
         self._closed = False
@@ -282,7 +312,9 @@ class MemoryMessageLog:
         with self._lock:
             self._check_open()
             for op in self._pending:
-                if isinstance(op, tuple):
+                if isinstance(op, bytes):
+                    self._mark = op
+                elif isinstance(op, tuple):
                     self._flushed[op[0]] = op[1]
                 else:
                     for message_id in op:
@@ -294,6 +326,16 @@ class MemoryMessageLog:
         with self._lock:
             self._check_open()
             return list(self._flushed.items())
+
+    def append_mark(self, mark: bytes) -> None:
+        data = _check_mark(mark)
+        with self._lock:
+            self._check_open()
+            self._pending.append(data)
+
+    def mark(self) -> bytes:
+        with self._lock:
+            return self._mark
 
     def live_count(self) -> int:
         with self._lock:
@@ -311,6 +353,7 @@ class MemoryMessageLog:
             other._flushed = dict(self._flushed)
             other._live = set(self._flushed)
             other._last_id = max(self._flushed, default=0)
+            other._mark = self._mark
             return other
 
     def _check_open(self) -> None:
@@ -354,8 +397,9 @@ class _Location(NamedTuple):
 
 class _Pending(NamedTuple):
     record: bytes
-    enqueued: int  # the id, or 0 for a remove
+    enqueued: int  # the id, or 0 for a remove or a mark
     removed: list[int]
+    mark: bytes | None = None
 
 
 def _fsync(fd: int) -> None:
@@ -417,6 +461,8 @@ class FileMessageLog:
         self._closed = False
         self._failed: BaseException | None = None
         self._compact_backoff_bytes = 0
+        self._mark = b""  # the newest mark written (recovered at opening)
+        self._mark_seq = 0  # the segment holding it: never collected while it does
         self._lock_fd = self._take_lock()
         try:
             self._replay()
@@ -483,6 +529,16 @@ class FileMessageLog:
                             record = memoryview(os.pread(file.fileno(), where.length, where.offset))
                         result.append((message_id, self._payload(record, message_id, segment.path, where.offset)))
             return result
+
+    def append_mark(self, mark: bytes) -> None:
+        record = _record(_MARK, _check_mark(mark))
+        with self._lock:
+            self._check_usable()
+            self._pending.append(_Pending(record, 0, [], mark=bytes(mark)))
+
+    def mark(self) -> bytes:
+        with self._flush_lock:
+            return self._mark
 
     def live_count(self) -> int:
         with self._lock:
@@ -565,6 +621,8 @@ class FileMessageLog:
                     self._where[message_id] = _Location(seq, offset, end - offset)
                     segment.live += 1
                     segment.live_bytes += end - offset
+                elif rtype == _MARK:
+                    self._mark, self._mark_seq = bytes(data[body:end]), seq
                 else:
                     for (message_id,) in _ID.iter_unpack(data[body:end]):
                         self._forget(message_id, segment)
@@ -629,7 +687,9 @@ class FileMessageLog:
         self._append(segment, chunk)
         _fsync(self._active_fd)
         for op, seq, offset in placed:
-            if op.enqueued:
+            if op.mark is not None:
+                self._mark, self._mark_seq = op.mark, seq
+            elif op.enqueued:
                 self._where[op.enqueued] = _Location(seq, offset, len(op.record))
                 self._segments[seq].live += 1
                 self._segments[seq].live_bytes += len(op.record)
@@ -669,7 +729,7 @@ class FileMessageLog:
     def _collect_garbage(self) -> None:
         for seq in sorted(self._segments):
             segment = self._segments[seq]
-            if not segment.closed or segment.live or segment.deps:
+            if not segment.closed or segment.live or segment.deps or seq == self._mark_seq:
                 continue
             os.unlink(segment.path)
             _fsync_directory(self.directory)  # before anything that depended on this deletion
@@ -727,6 +787,9 @@ class FileMessageLog:
                 finally:
                     for source in sources.values():
                         os.close(source)
+                if self._mark:
+                    out.append(_record(_MARK, self._mark))  # the newest mark outlives the segments it was in
+                    position += len(out[-1])
                 _write_all(fd, b"".join(out))
                 self._fault("compaction.written")
                 _fsync(fd)
@@ -752,6 +815,8 @@ class FileMessageLog:
         for seq in victims:
             del self._segments[seq]
         self._segments[last] = snapshot
+        if self._mark_seq in victims:
+            self._mark_seq = last  # the snapshot carries it
         for other in self._segments.values():
             other.deps.difference_update(victims)  # what they removed is in no file now
         self._fault("compaction.dir_synced")
