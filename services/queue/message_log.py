@@ -102,11 +102,11 @@ from typing import Final, NamedTuple, Protocol
 
 __all__ = [
     "DEFAULT_SEGMENT_BYTES",
+    "MAX_MARK_BYTES",
     "FileMessageLog",
     "LogClosedError",
     "LogFailedError",
     "LogLockedError",
-    "MAX_MARK_BYTES",
     "MemoryMessageLog",
     "MessageLog",
     "MessageLogError",
