@@ -81,6 +81,9 @@ class NodeSettings:
     membership_check: float | None = None
     # Where durable queues keep their messages (a directory per queue).
     data_dir: str = "data"
+    # How long a replica that came back with a log waits for its queue's master
+    # before the replica that knows most recovers the queue (services/queue/durability.py).
+    recovery_wait: float = 30.0
 
 
 class Node:
@@ -100,6 +103,7 @@ class Node:
             self._on_ring_message,
             self._on_reconnect,
             heartbeat_interval=settings.heartbeat_interval,
+            forget_address=self.forget_address,
         )
         self.members: dict[str, MemberShell] = {}  # by group
         self._addresses: dict[str, str] = {}
@@ -222,6 +226,7 @@ class Node:
                         raise ConnectionError(f"{left} is not hosted on {node}") from error
                     if error.code() != grpc.StatusCode.UNAVAILABLE:
                         raise ConnectionError(f"AddOnRight to {left}: {error.code().name}") from error
+                    self.forget_address(node)  # it may have restarted on another port
             if time.monotonic() > deadline:
                 raise ConnectionError(f"{left} on {node} is unreachable")
             await asyncio.sleep(0.05)
@@ -242,6 +247,10 @@ class Node:
             except grpc.aio.AioRpcError:
                 return None
         return self._addresses.get(node)
+
+    def forget_address(self, node: str) -> None:
+        """`node` did not answer at the address we knew: ask the coordinator again next time."""
+        self._addresses.pop(node, None)
 
     def peer_channel(self, address: str) -> grpc.aio.Channel:
         channel = self._peer_channels.get(address)
@@ -484,7 +493,7 @@ async def serve(
     node = Node(node_id, address, client, settings)
     group_pb2_grpc.add_GroupServiceServicer_to_server(GroupServicer(node), server)
     peer_pb2_grpc.add_PeerServiceServicer_to_server(PeerServicer(node), server)
-    queues = QueueManager(node, client, settings.data_dir)
+    queues = QueueManager(node, client, settings.data_dir, settings.recovery_wait)
     queue_servicer = QueueServicer(node.id, queues, client, node.address_of, node.peer_channel)
     queue_pb2_grpc.add_QueueServiceServicer_to_server(queue_servicer, server)
     await server.start()
@@ -547,6 +556,13 @@ def parser() -> argparse.ArgumentParser:
         help="re-read a quiet member's group after this long (default: the failure timeout)",
     )
     out.add_argument(
+        "--recovery-wait-ms",
+        type=_millis,
+        default=str(defaults.recovery_wait * 1000),
+        help="after a restart, how long a durable queue's replicas wait for its master's node before "
+        "the replica whose log knows most recovers the queue",
+    )
+    out.add_argument(
         "--trace-dir",
         help="also write finished spans as JSON lines to DIR/spans-NODE_ID.jsonl (docs/observability.md); "
         "OTEL_EXPORTER_OTLP_ENDPOINT exports over OTLP",
@@ -565,6 +581,7 @@ def main(argv: list[str] | None = None) -> int:
         grace=args.grace_ms,
         membership_check=args.membership_check_ms,
         data_dir=args.data_dir or os.path.join("data", args.id),
+        recovery_wait=args.recovery_wait_ms,
     )
     tracing.configure("ringq-node", args.id, args.trace_dir)
     try:

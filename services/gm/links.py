@@ -87,10 +87,13 @@ class LinkManager:
         on_reconnect: Callable[[str], None],
         heartbeat_interval: float = 0.25,
         clock: Callable[[], float] = time.monotonic,
+        forget_address: Callable[[str], None] | None = None,
     ) -> None:
         self.node = node
         self.incarnation = incarnation
         self.address_of = address_of
+        # Called when a peer refuses at the address we knew: it may have restarted on another port.
+        self.forget_address = forget_address
         self.on_ring_message = on_ring_message
         self.on_reconnect = on_reconnect
         self.heartbeat_interval = heartbeat_interval
@@ -174,6 +177,7 @@ class LinkManager:
 
     async def _dial_loop(self, link: _Link) -> None:
         backoff = 0.02
+        address_checked = False  # refused at an address just asked for: the process is gone
         try:
             while not self._closed and not link.active and (link.wanted or not link.outbox.empty()):
                 address = await self.address_of(link.peer)
@@ -183,7 +187,12 @@ class LinkManager:
                         backoff = 0.02
                     except grpc.aio.AioRpcError as error:
                         log.debug("link to %s: %s", link.peer, error.code().name)
-                        link.refused = link.streams > 0 and _connection_refused(error)
+                        refused = _connection_refused(error)
+                        if refused and not address_checked and self.forget_address is not None:
+                            self.forget_address(link.peer)
+                            address_checked = True
+                            continue
+                        link.refused = link.streams > 0 and refused
                     except (TimeoutError, ConnectionError, FragmentError) as error:
                         log.debug("link to %s: %s", link.peer, error)
                 if link.active:
