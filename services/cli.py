@@ -108,6 +108,7 @@ _NODE_FLAGS = (
     "failure_timeout_ms",
     "grace_ms",
     "membership_check_ms",
+    "recovery_wait_ms",
     "data_dir",
     "trace_dir",
     "log_level",
@@ -190,6 +191,7 @@ def build_parser() -> argparse.ArgumentParser:
     node.add_argument("--failure-timeout-ms", type=_positive_int, metavar="N")
     node.add_argument("--grace-ms", type=_positive_int, metavar="N")
     node.add_argument("--membership-check-ms", type=_positive_int, metavar="N")
+    node.add_argument("--recovery-wait-ms", type=_positive_int, metavar="N")
     node.add_argument("--advertise", type=address_argument, help="HOST:PORT peers and clients dial (default --listen)")
     node.add_argument("--data-dir", help="where durable queues keep their messages (default data/ID)")
     node.add_argument("--trace-dir", help="also write spans as JSON lines here (docs/observability.md)")

@@ -1,18 +1,24 @@
 """Integration: a durable queue survives a restart of every node (issue 4).
 
-Persistent messages are confirmed only once the master has them on disk.
-Kill every node with SIGKILL, start them again: the master recovers from its
-log, and every confirmed message that was not acknowledged is delivered;
-acknowledged ones do not come back.
+Persistent messages are confirmed only once the master and every synchronised
+mirror have them on disk. Kill every node with SIGKILL, start them again: the
+master recovers from its log, and every confirmed message that was not
+acknowledged is delivered; acknowledged ones do not come back. If the master's
+node does not come back, the replica that knows most recovers the queue from
+its own log (services/queue/durability.py).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import signal
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
+import grpc
 import pytest
 
 from ringq import aio
@@ -90,5 +96,64 @@ def test_a_durable_queue_survives_a_restart_of_every_node(tmp_path: Path) -> Non
     try:
         figures = asyncio.run(asyncio.wait_for(_scenario(directory), 180))
         print(f"the queue served again {figures['back_after']:.1f}s after every node was restarted")
+    finally:
+        cluster.down(directory)
+
+
+async def _wait_for_status(client: aio.Connection, queue: str, ready: Callable[[Any], bool], seconds: float) -> Any:
+    deadline = time.monotonic() + seconds
+    last: Any = None
+    while time.monotonic() < deadline:
+        with contextlib.suppress(grpc.aio.AioRpcError):
+            last = await client.queue_status(queue)
+            if ready(last):
+                return last
+        await asyncio.sleep(0.2)
+    raise AssertionError(f"queue {queue}: still {last} after {seconds} s")
+
+
+async def _master_stays_away(directory: Path) -> dict[str, float]:
+    info = await _start(directory, node_args=["--recovery-wait-ms", "2000"])
+    client = _client(info, "node1", "node2", "node3")
+    queue = "ha.recovered"
+    await client.declare_queue(queue, durable=True)
+    await _wait_for_status(client, queue, lambda s: len(s.synchronised_mirrors) == 2, 20)
+    producer = client.producer(queue, publisher_id="orders", persistent=True, window=1000, batch=100)
+    outcomes = await producer.publish_many([f"{i:06d}".encode() for i in range(PUBLISHED)])
+    assert outcomes == [aio.Outcome.CONFIRMED] * PUBLISHED
+    await client.close()
+
+    for node in ("node1", "node2", "node3"):
+        cluster.kill(directory, node, signal.SIGKILL)
+    restarted = time.monotonic()
+    for node in ("node2", "node3"):  # node1, the master, stays away (its disk is gone, say)
+        cluster.start_node(directory, node)
+    client = _client(cluster.load(directory), "node2", "node3")
+    status = await _wait_for_status(client, queue, lambda s: s.master_node in ("node2", "node3") and s.depth, 30)
+    back_after = time.monotonic() - restarted
+    assert status.depth == PUBLISHED, f"{status.depth} messages recovered, {PUBLISHED} confirmed"
+    assert "recovered from this node's log" in status.status
+    delivered: list[int] = []
+    consumer = client.consumer(queue, prefetch=0)
+    async for delivery in consumer:
+        delivered.append(delivery.seq)
+        if len(delivered) == PUBLISHED:
+            delivery.ack(multiple=True)
+            break
+    await consumer.close()
+    assert delivered == list(range(1, PUBLISHED + 1)), "every confirmed message, once, in order"
+    # The other replica started over as a mirror of the new master and synchronises.
+    status = await _wait_for_status(client, queue, lambda s: len(s.synchronised_mirrors) == 1, 20)
+    await client.close()
+    return {"back_after": back_after}
+
+
+def test_a_queue_whose_master_does_not_come_back_is_recovered_by_the_replica_that_knows_most(
+    tmp_path: Path,
+) -> None:
+    directory = tmp_path / "cluster"
+    try:
+        figures = asyncio.run(asyncio.wait_for(_master_stays_away(directory), 180))
+        print(f"recovered without its master {figures['back_after']:.1f}s after the restart")
     finally:
         cluster.down(directory)

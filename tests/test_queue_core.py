@@ -115,7 +115,7 @@ def test_a_retried_publish_is_dropped_even_after_promotion() -> None:
     step, outcomes = q.master.publish([Publish(b"a", "p1", 1), Publish(b"c", "p1", 3)], 0)
     q.feed(step)
     assert outcomes == [PublishOutcome.DUPLICATE, PublishOutcome.ACCEPTED]
-    new_master, _ = q.mirrors[0].promote(QueueLimits())
+    new_master, _ = q.mirrors[0].promote(QueueLimits(), 1)
     _, outcomes = new_master.publish([Publish(b"c", "p1", 3), Publish(b"d", "p1", 4)], 0)
     assert outcomes == [PublishOutcome.DUPLICATE, PublishOutcome.ACCEPTED]
     assert new_master.contents.messages[max(new_master.contents.messages)].id == 4, "ids carry on"
@@ -230,7 +230,7 @@ def test_promotion_requeues_what_was_pending_acknowledgement() -> None:
     q.feed(publish(q.master, b"1", b"2", b"3"))
     q.feed(q.master.consume("c", prefetch=2))
     q.feed(q.master.ack("c", 1))
-    master, step = q.mirrors[0].promote(QueueLimits())
+    master, step = q.mirrors[0].promote(QueueLimits(), 1)
     assert master.contents.unacked == set()
     step = master.consume("c2", prefetch=0)
     assert [(d.message.body, d.redelivered) for d in step.deliveries] == [(b"2", True), (b"3", True)]

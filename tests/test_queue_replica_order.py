@@ -43,6 +43,7 @@ class FakeMember:
 class FakeHost:
     node_id = "node1"
     metrics: QueueMetrics | None = None
+    recovery_wait_s = 1.0
 
     def new_member(self, group: str, events: Callable[[Any], None]) -> Any:
         raise AssertionError("not used")
@@ -82,11 +83,20 @@ class SlowCommitter:
 
 
 class FakeLog:
+    def __init__(self) -> None:
+        self.live: set[int] = set()
+
     def append_enqueue(self, message_id: int, data: bytes) -> None:
-        pass
+        self.live.add(message_id)
 
     def append_remove(self, ids: tuple[int, ...]) -> None:
+        self.live.difference_update(ids)
+
+    def append_mark(self, mark: bytes) -> None:
         pass
+
+    def live_count(self) -> int:
+        return len(self.live)
 
 
 def test_deliveries_reach_the_consumer_in_decision_order_when_an_ack_waits_for_the_disk() -> None:
@@ -100,7 +110,7 @@ def test_deliveries_reach_the_consumer_in_decision_order_when_an_ack_waits_for_t
         replica.member = FakeMember()  # type: ignore[assignment]
         replica.log = FakeLog()  # type: ignore[assignment]
         replica.committer = SlowCommitter()  # type: ignore[assignment]
-        await replica.publish_in_order([Publish(b"1"), Publish(b"2"), Publish(b"3")])
+        await replica.publish_in_order([Publish(str(i).encode(), persistent=True) for i in (1, 2, 3)])
         consumer = await replica.consume("c", prefetch=2, priority=0)
         for _ in range(2):
             await consumer.deliveries.get()

@@ -135,6 +135,7 @@ def queue_to_proto(queue: QueueRecord) -> coordinator_pb2.QueueRecord:
         policy_definition_json=json.dumps(dict(queue.policy_definition), sort_keys=True),
         gm_group=queue.gm_group,
         replication=REPLICATION_TO_PROTO.get(queue.replication, coordinator_pb2.REPLICATION_LEVEL_UNSPECIFIED),
+        recovery_positions=dict(queue.recovery_positions),
         version=queue.version,
     )
 
@@ -155,6 +156,7 @@ def queue_from_proto(pb: coordinator_pb2.QueueRecord) -> QueueRecord:
         policy_definition=json.loads(pb.policy_definition_json or "{}"),
         gm_group=pb.gm_group,
         replication=REPLICATION_FROM_PROTO.get(pb.replication, "all"),
+        recovery_positions=dict(pb.recovery_positions),
         version=pb.version,
     )
 

@@ -67,6 +67,9 @@ class QueueRecord:
     policy_definition: Mapping[str, Any] = field(default_factory=dict)
     gm_group: str = ""
     replication: str = "all"
+    # node -> "EPOCH.SEQ": how far the log of each replica that came back goes, while
+    # the master's node is away (services/queue/durability.py); empty otherwise.
+    recovery_positions: Mapping[str, str] = field(default_factory=dict)
     version: int = 0
 
     @property
@@ -86,6 +89,7 @@ def _queue_value(queue: QueueRecord) -> dict[str, Any]:
     value["synchronised_mirrors"] = list(queue.synchronised_mirrors)
     value["arguments"] = dict(queue.arguments)
     value["policy_definition"] = dict(queue.policy_definition)
+    value["recovery_positions"] = dict(queue.recovery_positions)
     return value
 
 
@@ -105,6 +109,7 @@ def queue_from_record(record: Record) -> QueueRecord:
         policy_definition=dict(v["policy_definition"]),
         gm_group=v["gm_group"],
         replication=v["replication"],
+        recovery_positions=dict(v.get("recovery_positions", {})),
         version=record.version,
     )
 

@@ -47,9 +47,12 @@ class QueueNode(Protocol):
 class QueueManager:
     """Runs this node's queue replicas."""
 
-    def __init__(self, node: QueueNode, coordinator: CoordinatorClient, data_dir: str = "data") -> None:
+    def __init__(
+        self, node: QueueNode, coordinator: CoordinatorClient, data_dir: str = "data", recovery_wait_s: float = 30.0
+    ) -> None:
         self.node = node
         self.data_dir = data_dir
+        self.recovery_wait_s = recovery_wait_s
         self.node_id = node.id
         self.coordinator = coordinator
         self.replicas: dict[QueueKey, QueueReplica] = {}

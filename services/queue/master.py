@@ -141,8 +141,11 @@ GET_CONSUMER = ""  # basic.get deliveries awaiting ack are held under this pseud
 class QueueMaster:
     """Decides for one queue; `contents` is shared with nothing else."""
 
-    def __init__(self, name: str, contents: QueueContents | None = None, limits: QueueLimits | None = None) -> None:
+    def __init__(
+        self, name: str, contents: QueueContents | None = None, limits: QueueLimits | None = None, epoch: int = 0
+    ) -> None:
         self.name = name
+        self.epoch = epoch  # this master's term, carried by its depth reports (services/queue/durability.py)
         self.contents = contents if contents is not None else QueueContents()
         self.limits = limits or QueueLimits()
         self.next_id = self.contents.max_id + 1
@@ -330,7 +333,7 @@ class QueueMaster:
 
     def depth_report(self) -> Step:
         step = Step()
-        self._report(Depth(self.contents.depth), step)
+        self._report(Depth(self.contents.depth, self.epoch), step)
         return step
 
     def set_limits(self, limits: QueueLimits) -> Step:
@@ -377,7 +380,7 @@ class QueueMaster:
         if not self._sync[target]:
             del self._sync[target]
             self._report(SyncDone(target), step)
-            self._report(Depth(self.contents.depth), step)
+            self._report(Depth(self.contents.depth, self.epoch), step)
         return step
 
     # -------------------------------------------------------------- helpers

@@ -47,29 +47,35 @@ class QueueMirror:
             if not in_sync and self.synchronised:
                 # The inconsistent-error rule: something failed here that did not
                 # fail on the master. Start over from nothing and re-sync fully.
-                self.synchronised = False
-                self.contents = QueueContents()
-                self.sync_requested = True
-                return [Desynchronised(self.member), SyncRequest(self.member, 0)]
+                return self.start_over()
         elif isinstance(report, SyncDone) and report.target == self.member:
             self.sync_requested = False
         return []
+
+    def start_over(self) -> list[MirrorSays]:
+        """Something failed on this replica that did not fail on the master (its disk):
+        the inconsistent-error rule, as for a depth that disagrees: forget everything, re-sync."""
+        was_synchronised, self.synchronised = self.synchronised, False
+        self.contents = QueueContents()
+        self.sync_requested = True
+        said: list[MirrorSays] = [Desynchronised(self.member)] if was_synchronised else []
+        return [*said, SyncRequest(self.member, 0)]
 
     def request_sync(self) -> SyncRequest:
         """Ask for every message older than the first this mirror received."""
         self.sync_requested = True
         return SyncRequest(self.member, self.contents.first_enqueued_id)
 
-    def promote(self, limits: QueueLimits) -> tuple[QueueMaster, Step]:
-        """Become the master: requeue what was pending acknowledgement, announce the depth."""
-        master = QueueMaster(self.name, self.contents, limits)
+    def promote(self, limits: QueueLimits, epoch: int) -> tuple[QueueMaster, Step]:
+        """Become the master of term `epoch`: requeue what was pending acknowledgement, announce the depth."""
+        master = QueueMaster(self.name, self.contents, limits, epoch)
         step = Step()
         pending = tuple(sorted(self.contents.unacked))
         if pending:
             requeue = Requeue(pending)
             self.contents.apply(requeue)
             step.reports.append(requeue)
-        depth = Depth(self.contents.depth)
+        depth = Depth(self.contents.depth, epoch)
         self.contents.apply(depth)
         step.reports.append(depth)
         return master, step

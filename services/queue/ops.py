@@ -82,9 +82,11 @@ class Discard:
 
 @dataclass(frozen=True, slots=True)
 class Depth:
-    """The master's depth (ready + pending acknowledgement) at this point of the stream."""
+    """The master's depth (ready + pending acknowledgement) at this point of the stream,
+    and the epoch of its term (see services/queue/durability.py)."""
 
     depth: int
+    epoch: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,4 +135,14 @@ class Desynchronised:
     member: str
 
 
-MirrorSays = SyncRequest | Synchronised | Desynchronised
+@dataclass(frozen=True, slots=True)
+class Persisted:
+    """A mirror of a durable queue flushed every persistent change `master`
+    reported up to its report `through_seq` (a GM sequence number)."""
+
+    member: str
+    master: str
+    through_seq: int
+
+
+MirrorSays = SyncRequest | Synchronised | Desynchronised | Persisted

@@ -10,6 +10,12 @@ synchronised. When the master's GM member dies, the eldest synchronised
 mirror promotes itself (the ring reports the death only after every message
 of the dead master was delivered, so no report is lost or applied twice).
 
+Durable queues (services/queue/durability.py): every replica keeps a log;
+a persistent message is confirmed only once the master's disk and every
+synchronised mirror's hold it; a replica that comes back after a restart
+while its master does not waits for it, then the one that knows most
+recovers the queue.
+
 Guarantees: a confirm is sent only for a message every live replica holds;
 a delivery reaches a consumer only once every live replica knows it was
 delivered, so after a failover it comes back with the redelivered flag;
@@ -30,13 +36,20 @@ from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 from ringq import tracing
-from ringq.v1 import queue_replication_pb2
 from services.coordinator.metadata import QueueRecord
 from services.gm.member import MemberEvent, MemberShell
 from services.gm.messages import Deliver as GmDeliver
 from services.gm.messages import Joined, MembersChanged, Stopped
 from services.queue import traces, wire
 from services.queue.contents import QueueContents
+from services.queue.durability import (
+    PersistedWaits,
+    Position,
+    contents_from_log,
+    elect,
+    persist_reports,
+    write_holdings,
+)
 from services.queue.group_commit import GroupCommitter
 from services.queue.master import (
     Delivery,
@@ -51,7 +64,17 @@ from services.queue.master import (
 from services.queue.message_log import FileMessageLog
 from services.queue.metrics import QueueMetrics
 from services.queue.mirror import QueueMirror
-from services.queue.ops import Desynchronised, Discard, Enqueue, Settle, Synchronised, SyncRequest
+from services.queue.ops import (
+    Depth,
+    Desynchronised,
+    Enqueue,
+    MirrorSays,
+    Persisted,
+    Report,
+    Settle,
+    Synchronised,
+    SyncRequest,
+)
 
 log = logging.getLogger("ringq.queue")
 DEPTH_REPORT_SECONDS = 1.0
@@ -71,6 +94,8 @@ class ReplicaHost(Protocol):
 
     node_id: str
     metrics: QueueMetrics | None
+    # How long a restarted replica waits for its queue's master before the replica that knows most takes over.
+    recovery_wait_s: float
 
     def new_member(self, group: str, events: Callable[[MemberEvent], None]) -> MemberShell: ...
 
@@ -104,12 +129,28 @@ class QueueReplica:
         # and confirms them only once a group commit made them durable.
         self.log: FileMessageLog | None = None
         self.committer: GroupCommitter | None = None
+        # The epoch of the master's term: this replica's own as master, as a mirror
+        # the one its master's depth reports carry; and, as a mirror, the master
+        # member and sequence number of the last report applied.
+        self.epoch = 0
+        self.applied_from = ""
+        self.applied_seq = 0
+        self._said_persisted = ("", 0)  # (master, through_seq) last said
+        # Master of a durable queue: what its mirrors' disks hold; mirrors that said they
+        # are synchronised and are not marked so in the record yet (with their marking).
+        self.persisted_waits: PersistedWaits[asyncio.Future[None]] = PersistedWaits()
+        self.announced: dict[str, asyncio.Future[None]] = {}
+        self._last_persistent_seq = 0
+        # A mirror's log from before a restart, kept while its master is away.
+        self.recovered_log: FileMessageLog | None = None
+        self.recovering = False
         if record.master == host.node_id:
-            self.master = QueueMaster(record.name, self._recover(), self.limits)
+            self.master = QueueMaster(record.name, self._recover(), self.limits, self.epoch)
         else:
             # Exists before the GM member joins: the master's reports may arrive
             # as soon as it has (its member id is filled in then).
             self.mirror = QueueMirror(record.name, "")
+            self.recovered_log = self._previous_log()
         self.member: MemberShell | None = None
         self.members: set[str] = set()
         self.consumers: dict[str, Consumer] = {}
@@ -144,60 +185,62 @@ class QueueReplica:
 
     def _recover(self) -> QueueContents | None:
         """A durable queue's master starts from its log: every message it ever
-        confirmed and did not see settled. They may have been delivered before
-        the restart, so they come back counted as delivered once."""
+        confirmed and did not see settled; its term is one more than the log's."""
         if not self.record.durable:
             return None
-        contents = QueueContents()
-        for _, payload in self._open_log(fresh=False):
-            message = wire.message_from_proto(queue_replication_pb2.ReplicatedMessage.FromString(payload))
-            message.delivery_count = max(message.delivery_count, 1)
-            contents.apply(Enqueue(message))
+        self._open_log(fresh=False)
+        assert self.log is not None
+        self.epoch = Position.decode(self.log.mark()).epoch + 1
+        self.log.append_mark(Position(self.epoch, 0).encode().encode())
+        contents = contents_from_log(self.log)
         if contents.messages:
             log.info("queue %s: recovered %d messages from disk", self.record.name, len(contents.messages))
         return contents
 
+    def _previous_log(self) -> FileMessageLog | None:
+        """A durable queue's mirror: the log it kept before a restart, if any."""
+        if not self.record.durable:
+            return None
+        path = self.host.queue_dir(self.record)
+        if not os.path.isdir(path):
+            return None
+        previous = FileMessageLog(path)
+        if not previous.mark():
+            previous.close()  # never synchronised: knows nothing worth keeping
+            return None
+        return previous
+
+    def _discard_previous_log(self) -> None:
+        if self.recovered_log is not None:
+            self.recovered_log.close()
+            self.recovered_log = None
+            shutil.rmtree(self.host.queue_dir(self.record), ignore_errors=True)
+
     def _persist(self, step: Step) -> bool:
         """Append the step's persistent changes to the log; True if there were any."""
-        if self.log is None:
-            return False
-        appended = False
-        for report in step.reports:
-            if isinstance(report, Enqueue) and report.message.persistent:
-                self.log.append_enqueue(report.message.id, wire.message_to_proto(report.message).SerializeToString())
-                appended = True
-            elif isinstance(report, Settle | Discard):
-                self.log.append_remove(report.ids)
-                appended = True
-        return appended
+        return self.log is not None and persist_reports(self.log, step.reports)
 
-    def _snapshot_to_new_log(self) -> None:
-        """A promoted mirror of a durable queue starts its own log with what it holds."""
-        if not self.record.durable or self.master is None:
-            return
+    def _write_holdings_to_new_log(self, contents: QueueContents, position: Position) -> None:
+        """Start this replica's own log with what it holds (a mirror once synchronised, a promoted
+        mirror that had none); the caller commits it."""
         self._open_log(fresh=True)
         assert self.log is not None
-        messages = self.master.contents.messages
-        for message_id in sorted(messages):
-            message = messages[message_id]
-            if message.persistent:
-                self.log.append_enqueue(message_id, wire.message_to_proto(message).SerializeToString())
-        self.log.flush()
+        write_holdings(self.log, contents.messages, position)
+
+    def _drop_log(self) -> None:
+        if self.log is not None:
+            self.log.close()
+            self.log = None
+            self.committer = None
+            shutil.rmtree(self.host.queue_dir(self.record), ignore_errors=True)
 
     # ---------------------------------------------------------------- start
 
     async def start(self) -> None:
-        if self.mirror is not None:
-            # A mirror starts empty, whatever the record remembers of an earlier life.
-            node = self.host.node_id
-
-            def unsynchronised(record: QueueRecord) -> QueueRecord | None:
-                if node not in record.synchronised_mirrors:
-                    return None
-                synced = tuple(m for m in record.synchronised_mirrors if m != node)
-                return _replace_record(record, synchronised_mirrors=synced)
-
-            await self._update(unsynchronised)
+        if self.master is not None:
+            await self._claim_master()
+        elif self.recovered_log is None:
+            await self._forget_earlier_life()  # joins as a new, empty mirror
         member = self.host.new_member(self.record.gm_group, self._on_member_event)
         self.member = member
         if tracing.enabled():
@@ -211,15 +254,145 @@ class QueueReplica:
             raise ConnectionError(f"queue {self.record.name}: could not join its group")
         if self.mirror is not None:
             self.mirror.member = member.id
-            self.status = "mirror" if self.replicates_messages else "mirror (replication wiring: no messages)"
-            automatic = self.record.policy_definition.get("ha-sync-mode", "manual") == "automatic"
-            if not self.replicates_messages:
-                self._say(Synchronised(member.id))  # wiring: holding the queue is all a mirror is asked to
-            elif automatic:
-                self._say(self.mirror.request_sync())
+            if self.recovered_log is not None and not self._master_in_group():
+                await self._wait_for_master()
+            else:
+                await self._start_mirroring()
         else:
             self.status = "running"
+            if self.committer is not None:
+                await self.committer.commit()  # this term's mark
             self._spawn(self._depth_reports())
+
+    async def _claim_master(self) -> None:
+        """A master starting from the record: check it still is the master (a replica that came
+        back while this node was away may have recovered the queue) and end any recovery."""
+        node = self.host.node_id
+
+        def claim(record: QueueRecord) -> QueueRecord | None:
+            if record.master != node or not record.recovery_positions:
+                return None
+            return _replace_record(record, recovery_positions={})
+
+        await self._update(claim)
+        if self.record.master != node:
+            if self.log is not None:
+                self.log.close()
+                self.log = None
+            raise ConnectionAbortedError(f"queue {self.record.name}: {self.record.master} recovered it meanwhile")
+
+    async def _forget_earlier_life(self) -> None:
+        """A mirror starts empty, whatever the record remembers of an earlier life."""
+        node = self.host.node_id
+        self._discard_previous_log()
+
+        def unsynchronised(record: QueueRecord) -> QueueRecord | None:
+            if node not in record.synchronised_mirrors and node not in record.recovery_positions:
+                return None
+            synced = tuple(m for m in record.synchronised_mirrors if m != node)
+            positions = {n: p for n, p in record.recovery_positions.items() if n != node}
+            return _replace_record(record, synchronised_mirrors=synced, recovery_positions=positions)
+
+        await self._update(unsynchronised)
+
+    async def _start_mirroring(self) -> None:
+        if self.recovered_log is not None:
+            await self._forget_earlier_life()
+        mirror = self.mirror
+        member = self.member
+        assert mirror is not None and member is not None
+        self.status = "mirror" if self.replicates_messages else "mirror (replication wiring: no messages)"
+        automatic = self.record.policy_definition.get("ha-sync-mode", "manual") == "automatic"
+        if not self.replicates_messages:
+            self._say(Synchronised(member.id))  # wiring: holding the queue is all a mirror is asked to
+        elif automatic:
+            self._say(mirror.request_sync())
+
+    # ------------------------------------------------------------- recovery
+
+    def _master_in_group(self) -> bool:
+        view = self.member.core.view if self.member is not None else None
+        live = view.live if view is not None else self.members
+        return not self.record.master or any(node_of(m) == self.record.master for m in live)
+
+    def _live_nodes(self) -> set[str]:
+        view = self.member.core.view if self.member is not None else None
+        return {node_of(m) for m in (view.live if view is not None else self.members)}
+
+    async def _wait_for_master(self) -> None:
+        """Came back with a log while the master's node is away: say how far the log goes,
+        then wait for the master; if it does not come, the replica that knows most takes over."""
+        assert self.recovered_log is not None
+        node = self.host.node_id
+        position = Position.decode(self.recovered_log.mark()).encode()
+
+        def register(record: QueueRecord) -> QueueRecord | None:
+            if record.recovery_positions.get(node) == position:
+                return None
+            return _replace_record(record, recovery_positions={**record.recovery_positions, node: position})
+
+        self.recovering = True
+        await self._update(register)
+        self.status = f"recovering: waiting for the master on {self.record.master} (this log is at {position})"
+        log.warning("queue %s: %s", self.record.name, self.status)
+        self._spawn(self._recover_if_master_stays_away())
+
+    async def _recover_if_master_stays_away(self) -> None:
+        node = self.host.node_id
+        while self.recovering:
+            await asyncio.sleep(self.host.recovery_wait_s)
+            if not self.recovering:
+                return
+            record = await self.host.update_record(self.record, lambda current: None)  # the latest
+            self.on_record(record)
+            if not self.recovering:
+                return
+            winner = elect(
+                record.recovery_positions,
+                record.synchronised_mirrors,
+                record.mirrors,
+                self._live_nodes(),
+                promote_unsynchronised=record.policy_definition.get("ha-promote-on-failure") == "always",
+            )
+            if winner is None:
+                self.status = (
+                    f"unavailable: the master on {record.master} has not come back and no replica the record "
+                    "lists as synchronised has (ha-promote-on-failure is when-synced)"
+                )
+            elif winner == node:
+                await self._recover_from_own_log(record.master)
+            else:
+                self.status = f"recovering: {winner} knows most and recovers the queue"
+
+    async def _recover_from_own_log(self, absent_master: str) -> None:
+        """This replica knows most: it becomes the master with what its log holds."""
+        recovered = self.recovered_log
+        assert recovered is not None
+        node = self.host.node_id
+
+        def take(record: QueueRecord) -> QueueRecord | None:
+            if record.master != absent_master or node not in record.recovery_positions:
+                return None  # the master came back, or another replica took over
+            mirrors = tuple(m for m in record.mirrors if m != node)
+            return _replace_record(record, master=node, mirrors=mirrors, synchronised_mirrors=(), recovery_positions={})
+
+        await self._update(take)
+        if self.record.master != node:
+            return  # on_record ends the recovery
+        self.recovering = False
+        self.recovered_log = None
+        self.log = recovered
+        self.committer = GroupCommitter(recovered)
+        self.epoch = Position.decode(recovered.mark()).epoch + 1
+        recovered.append_mark(Position(self.epoch, 0).encode().encode())
+        await self.committer.commit()
+        contents = contents_from_log(recovered)
+        self.master = QueueMaster(self.record.name, contents, self.limits, self.epoch)
+        self.mirror = None
+        self.status = f"running (recovered from this node's log: the master on {absent_master} did not come back)"
+        log.warning("queue %s: %s, %d messages", self.record.name, self.status, len(contents.messages))
+        await self._carry_out(self.master.depth_report())
+        self._spawn(self._depth_reports())
 
     async def stop(self) -> None:
         for consumer in self.consumers.values():
@@ -369,7 +542,9 @@ class QueueReplica:
             if failure is not None:
                 raise failure
             if sent is not None:
-                await sent
+                _, last_seq = await sent
+                if durable is not None:
+                    await self._mirrors_hold(last_seq)
             elif previous is not None:
                 await asyncio.shield(previous)  # nothing new: wait for what came before
             if durable is not None:
@@ -447,41 +622,109 @@ class QueueReplica:
         elif isinstance(event, MembersChanged):
             self.members |= set(event.births)
             self.members -= set(event.deaths)
+            if self.recovering and any(node_of(m) == self.record.master for m in event.births):
+                self._spawn(self._end_recovery("the master came back"))
             if event.deaths:
                 self._spawn(self._after_deaths(set(event.deaths)))
         elif isinstance(event, GmDeliver):
             if self.member is not None and event.publisher == self.member.id:
                 return  # our own reports, applied when decided
-            for body in event.bodies:
-                self._on_report(event.publisher, body)
+            appended = False
+            for index, body in enumerate(event.bodies):
+                appended |= self._on_report(event.publisher, body, event.first_seq + index)
+            if appended:
+                self._mirror_log_commit()
         elif isinstance(event, Stopped):
             self.status = f"stopped: {event.reason}"
             for consumer in self.consumers.values():
                 consumer.deliveries.put_nowait(None)
 
-    def _on_report(self, publisher: str, body: bytes) -> None:
+    def _on_report(self, publisher: str, body: bytes, seq: int) -> bool:
+        """Apply one report; True if it appended to this mirror's log."""
         try:
             report = wire.decode(body)
         except ValueError as error:
             log.warning("queue %s: dropping a malformed report from %s: %s", self.record.name, publisher, error)
-            return
-        if isinstance(report, SyncRequest | Synchronised | Desynchronised):
+            return False
+        if isinstance(report, SyncRequest | Synchronised | Desynchronised | Persisted):
             if self.master is not None:
                 self._from_mirror(report)
-            return
+            return False
         # Only a master sends reports (mirrors send SyncRequest / Synchronised),
         # and a new master exists only after the ring delivered all of the old one's.
         if self.mirror is not None:
-            for said in self.mirror.apply(report):
-                self._say(said)
-            if tracing.enabled():
-                traces.mirror_applied(self.record.name, self.host.node_id, self.record.gm_group, report)
-        elif self.master is None:
+            return self._mirror_applies(report, publisher, seq)
+        if self.master is None:
             log.warning("queue %s: a %s came before this replica was ready", self.record.name, type(report).__name__)
+        return False
 
-    def _from_mirror(self, said: SyncRequest | Synchronised | Desynchronised) -> None:
+    def _mirror_applies(self, report: Report, publisher: str, seq: int) -> bool:
+        mirror = self.mirror
+        assert mirror is not None
+        if isinstance(report, Depth):
+            self.epoch = report.epoch
+        self.applied_from, self.applied_seq = publisher, seq
+        said = mirror.apply(report)
+        appended = self.log is not None and persist_reports(self.log, (report,))
+        for one in said:
+            if isinstance(one, Desynchronised):
+                self._drop_log()
+            if isinstance(one, Synchronised) and self.record.durable and self.replicates_messages:
+                self._write_holdings_to_new_log(mirror.contents, Position(self.epoch, seq))
+                self._spawn(self._synchronised_on_disk(one))
+            else:
+                self._say(one)
+        if tracing.enabled():
+            traces.mirror_applied(self.record.name, self.host.node_id, self.record.gm_group, report)
+        return appended
+
+    async def _synchronised_on_disk(self, said: Synchronised) -> None:
+        """A mirror of a durable queue says it is synchronised once its disk holds what it holds."""
+        await self._commit_mirror_log(self.applied_from, self.applied_seq)
+        if self.mirror is not None and self.mirror.synchronised:
+            self._say(said)
+
+    def _mirror_log_commit(self) -> None:
+        """Mark how far the log goes, make it durable, then tell the master."""
+        if self.log is None:
+            return
+        self.log.append_mark(Position(self.epoch, self.applied_seq).encode().encode())
+        self._spawn(self._commit_mirror_log(self.applied_from, self.applied_seq))
+
+    async def _commit_mirror_log(self, master: str, through_seq: int) -> None:
+        committer = self.committer
+        if committer is None:
+            return
+        try:
+            await committer.commit()
+        except Exception as error:  # the disk failed here and not on the master: re-sync
+            self._disk_failed(error)
+            return
+        member = self.member
+        said_master, said_through = self._said_persisted
+        if member is not None and self.committer is committer and (master != said_master or through_seq > said_through):
+            self._said_persisted = (master, through_seq)
+            self._say(Persisted(member.id, master, through_seq))
+
+    def _disk_failed(self, error: Exception) -> None:
+        mirror = self.mirror
+        if mirror is None or self.log is None:
+            return
+        event = f"this mirror's log failed ({error!r}): it starts over and re-syncs"
+        log.error("queue %s: %s", self.record.name, event)
+        self.events.append(event)
+        self._drop_log()
+        for said in mirror.start_over():
+            self._say(said)
+
+    def _from_mirror(self, said: MirrorSays) -> None:
         master = self.master
         assert master is not None
+        if isinstance(said, Persisted):
+            if self.member is not None and said.master == self.member.id:
+                self.persisted_waits.persisted(node_of(said.member), said.through_seq)
+                self._release_persisted()
+            return
         if isinstance(said, SyncRequest):
             master.start_sync(said.member, said.below_id)
             self._spawn(self._sync(said.member))
@@ -506,26 +749,88 @@ class QueueReplica:
                 return None
             return _replace_record(record, synchronised_mirrors=(*record.synchronised_mirrors, node))
 
-        self._spawn(self._update(mark))
+        if self.log is None or not self.replicates_messages:
+            self._spawn(self._update(mark))
+            return
+        # Durable: from now on its disk is required for confirms; it is marked once its
+        # disk also holds every persistent change confirmed before.
+        if node not in self.announced:
+            held: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            self.announced[node] = held
+            self.persisted_waits.wait(self._last_persistent_seq, held, only=(node,))
+            self._release_persisted()
+            self._spawn(self._mark_when_held(node, held, mark))
 
-    def _say(self, said: SyncRequest | Synchronised | Desynchronised) -> None:
+    async def _mark_when_held(
+        self, node: str, held: asyncio.Future[None], mark: Callable[[QueueRecord], QueueRecord | None]
+    ) -> None:
+        try:
+            await held
+            await self._update(mark)
+        finally:
+            if self.announced.get(node) is held:
+                del self.announced[node]
+            self.persisted_waits.drop(held)
+            self._release_persisted()
+
+    def _required_disks(self) -> set[str]:
+        """The mirrors whose disks a persistent change must be on before it is confirmed."""
+        if self.log is None or not self.replicates_messages:
+            return set()
+        return (set(self.record.synchronised_mirrors) | set(self.announced)) - {self.host.node_id}
+
+    async def _mirrors_hold(self, seq: int) -> None:
+        """Wait until every required mirror's disk holds this master's reports up to `seq`."""
+        if not self.persisted_waits.holds(seq, self._required_disks()):
+            held: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            self.persisted_waits.wait(seq, held)
+            try:
+                await held
+            finally:
+                self.persisted_waits.drop(held)
+        self._last_persistent_seq = max(self._last_persistent_seq, seq)
+
+    def _release_persisted(self) -> None:
+        for held in self.persisted_waits.release(self._required_disks()):
+            if not held.done():
+                held.set_result(None)
+
+    def _say(self, said: MirrorSays) -> None:
         member = self.member
         if member is not None and member.stopped is None:
             self._spawn(_quietly(member.broadcast([wire.encode(said)], confirmed=False)))
 
     async def _update(self, change: Callable[[QueueRecord], QueueRecord | None]) -> None:
-        self.record = await self.host.update_record(self.record, change)
+        self.on_record(await self.host.update_record(self.record, change))
 
     def on_record(self, record: QueueRecord) -> None:
         """The coordinator's record changed (its Watch): keep the newest version."""
-        if record.version > self.record.version:
-            self.record = record
+        if record.version <= self.record.version:
+            return
+        master_moved = record.master != self.record.master
+        self.record = record
+        if self.recovering and master_moved and record.master != self.host.node_id:
+            self._spawn(self._end_recovery(f"{record.master} took the queue"))
+        self._release_persisted()  # a mirror struck from the synchronised ones no longer holds confirms back
+
+    async def _end_recovery(self, why: str) -> None:
+        """The master came back or another replica recovered the queue: start over as an empty mirror."""
+        if not self.recovering:
+            return
+        self.recovering = False
+        log.info("queue %s: recovery over (%s): this replica starts over as a mirror", self.record.name, why)
+        await self._start_mirroring()
 
     async def _after_deaths(self, deaths: set[str]) -> None:
         """A member died: if it was the master, the eldest synchronised mirror takes over."""
         master_died = any(node_of(d) == self.record.master for d in deaths)
         dead_nodes = {node_of(d) for d in deaths}
         if self.master is not None:
+            for node in dead_nodes:
+                self.persisted_waits.forget(node)
+                held = self.announced.pop(node, None)
+                if held is not None and not held.done():
+                    held.cancel()
 
             def drop_mirrors(record: QueueRecord) -> QueueRecord | None:
                 if not dead_nodes & set(record.mirrors):
@@ -574,9 +879,18 @@ class QueueReplica:
                 current, master=self.host.node_id, mirrors=mirrors, synchronised_mirrors=synchronised
             )
 
-        self.master, step = mirror.promote(self.limits)
+        self.epoch += 1
+        self.master, step = mirror.promote(self.limits, self.epoch)
         self.mirror = None
-        await asyncio.to_thread(self._snapshot_to_new_log)
+        self.persisted_waits = PersistedWaits()
+        if self.record.durable:
+            # A synchronised mirror's log holds what it holds; another starts one now.
+            if self.log is None:
+                self._write_holdings_to_new_log(self.master.contents, Position(self.epoch, 0))
+            else:
+                self.log.append_mark(Position(self.epoch, 0).encode().encode())
+            assert self.committer is not None
+            await self.committer.commit()
         if not self.replicates_messages:
             self.status = "running (replication wiring: promoted empty, the old master's messages are lost)"
         else:

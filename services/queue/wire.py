@@ -18,6 +18,7 @@ from services.queue.ops import (
     Enqueue,
     Message,
     MirrorSays,
+    Persisted,
     Report,
     Requeue,
     Settle,
@@ -75,6 +76,7 @@ def encode(report: AnyReport) -> bytes:
         out.discard.reason = report.reason
     elif isinstance(report, Depth):
         out.depth = report.depth
+        out.epoch = report.epoch
     elif isinstance(report, SyncBatch):
         out.sync_batch.target = report.target
         out.sync_batch.ready.extend(message_to_proto(m) for m in report.ready)
@@ -86,6 +88,10 @@ def encode(report: AnyReport) -> bytes:
         out.sync_request.below_id = report.below_id
     elif isinstance(report, Desynchronised):
         out.desynchronised = report.member
+    elif isinstance(report, Persisted):
+        out.persisted.member = report.member
+        out.persisted.master = report.master
+        out.persisted.through_seq = report.through_seq
     else:
         out.synchronised = report.member
     return out.SerializeToString()
@@ -109,7 +115,7 @@ def decode(data: bytes) -> AnyReport:
     if kind == "discard":
         return Discard(tuple(report.discard.ids), report.discard.reason)
     if kind == "depth":
-        return Depth(report.depth)
+        return Depth(report.depth, report.epoch)
     if kind == "sync_batch":
         batch = report.sync_batch
         ready = tuple(message_from_proto(m) for m in batch.ready)
@@ -122,4 +128,7 @@ def decode(data: bytes) -> AnyReport:
         return Synchronised(report.synchronised)
     if kind == "desynchronised":
         return Desynchronised(report.desynchronised)
+    if kind == "persisted":
+        said = report.persisted
+        return Persisted(said.member, said.master, said.through_seq)
     raise ValueError("queue report without a kind")
