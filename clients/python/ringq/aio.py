@@ -663,9 +663,10 @@ class Consumer:
         writer = asyncio.ensure_future(write())
         progressed = False
         try:
-            async for message in call:
+            async for response in call:
                 progressed = True
-                self._receive(stream, Delivery(message, self.queue, self, stream.number))
+                for message in response.deliveries:
+                    self._receive(stream, Delivery(message, self.queue, self, stream.number))
             if self._closing:
                 return  # the queue applied our settlements and ended the stream
             raise grpc.aio.AioRpcError(  # the broker ended the stream: treat it as a node going away
