@@ -1,12 +1,12 @@
 """Integration: mirrored queues on a cluster of real node processes.
 
-Basic operations through any node (forwarding to the master), bad input with
-clear statuses, and the failover acceptance test of issue 4: 100,000 messages
-published with confirms while the master is killed with SIGKILL; every
-confirmed message is delivered afterwards, none twice to the application
-(an idempotent publisher's retries are dropped), in publisher order except
-redeliveries, which carry the flag. Once with the consumer idle during the
-kill, once with it running.
+Basic operations through any node (forwarding to the master), several ready
+deliveries per Consume response, bad input with clear statuses, and the
+failover acceptance test of issue 4: 100,000 messages published with confirms
+while the master is killed with SIGKILL; every confirmed message is delivered
+afterwards, none twice to the application (an idempotent publisher's retries
+are dropped), in publisher order except redeliveries, which carry the flag.
+Once with the consumer idle during the kill, once with it running.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import pytest
 from ringq import aio
 from ringq.v1 import coordinator_pb2, coordinator_pb2_grpc, queue_pb2
 from services import cluster
+from services.queue.service import MAX_DELIVERIES_PER_RESPONSE
 
 pytestmark = pytest.mark.integration
 NODE_ARGS = ["--failure-timeout-ms", "600", "--heartbeat-interval-ms", "100", "--grace-ms", "100"]
@@ -88,6 +89,48 @@ def test_queue_operations_through_any_node(shared_cluster: cluster.ClusterInfo) 
         assert await on3.purge_queue("plain") == 1
         assert await on2.delete_queue("plain") == 0
         for connection in (on1, on2, on3):
+            await connection.close()
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("through", ["node1", "node2"], ids=["on-the-master", "forwarded"])
+def test_consume_responses_carry_the_ready_deliveries_in_order(
+    shared_cluster: cluster.ClusterInfo, through: str
+) -> None:
+    """Messages that wait for a consumer reach it several per response (the master's node hands out what is
+    ready at once), each once, in order, with increasing delivery tags; through a forwarding node too."""
+    count = 300  # more than one response holds
+
+    async def scenario() -> None:
+        on1, client = _client(shared_cluster, "node1"), _client(shared_cluster, through)
+        queue = f"batched.{through}"
+        assert (await on1.declare_queue(queue)).master_node == "node1"
+        bodies = [f"m{seq}".encode() for seq in range(1, count + 1)]
+        assert await on1.producer(queue).publish_many(bodies) == [aio.Outcome.CONFIRMED] * count
+        call = client.stub().Consume()
+        await call.write(queue_pb2.ConsumeRequest(queue=client.ref(queue), prefetch=count))
+        responses: list[queue_pb2.ConsumeResponse] = []
+        while sum(len(r.deliveries) for r in responses) < count:
+            response = await asyncio.wait_for(call.read(), 10)
+            assert response is not grpc.aio.EOF, "the stream ended early"  # type: ignore[attr-defined]
+            responses.append(response)
+        sizes = [len(r.deliveries) for r in responses]
+        assert sizes[0] > 1, f"the ready messages came one per response: {sizes[:10]}"
+        assert max(sizes) <= MAX_DELIVERIES_PER_RESPONSE, sizes
+        deliveries = [d for r in responses for d in r.deliveries]
+        assert [d.body for d in deliveries] == bodies, "each message once, in order"
+        tags = [d.delivery_tag for d in deliveries]
+        assert tags == sorted(set(tags)), "delivery tags increase"
+        assert not any(d.redelivered for d in deliveries)
+        last = queue_pb2.Settlement(delivery_tag=tags[-1], multiple=True, kind=queue_pb2.SETTLE_KIND_ACK)
+        await call.write(queue_pb2.ConsumeRequest(settlements=[last]))
+        await call.done_writing()
+        assert await asyncio.wait_for(call.read(), 10) is grpc.aio.EOF  # type: ignore[attr-defined]
+        assert await call.code() == grpc.StatusCode.OK
+        assert (await client.queue_status(queue)).depth == 0, "the acks were applied before the stream ended"
+        await on1.delete_queue(queue)
+        for connection in (on1, client):
             await connection.close()
 
     asyncio.run(scenario())

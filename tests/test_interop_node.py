@@ -1,7 +1,8 @@
 """Interop: the Node.js client (clients/node) and Python against one live 3-node cluster.
 
 A: Node publishes 500 messages with confirms; Python consumes them (raw stubs,
-   acks on its Consume stream): all 500 bodies, in publisher order, once each.
+   one ack per delivery on its Consume stream, those of a response in one
+   request): all 500 bodies, in publisher order, once each.
 B: Python publishes 500 with confirms; Node consumes and acks every one on its
    Consume stream; the queue's depth is then 0, so the Node acks took effect.
 C: a Node consumer acking an unknown delivery tag on its stream gets
@@ -130,12 +131,15 @@ def test_node_publishes_python_consumes_in_order_exactly_once(node: str, address
             deliveries: list[queue_pb2.QueueDelivery] = []
             try:
                 while len(deliveries) < COUNT:
-                    delivery = await asyncio.wait_for(call.read(), 10)
-                    ended = delivery is grpc.aio.EOF  # type: ignore[attr-defined]
+                    response = await asyncio.wait_for(call.read(), 10)
+                    ended = response is grpc.aio.EOF  # type: ignore[attr-defined]
                     assert not ended, f"the stream ended after {len(deliveries)} deliveries"
-                    deliveries.append(delivery)
-                    ack = queue_pb2.Settlement(delivery_tag=delivery.delivery_tag, kind=queue_pb2.SETTLE_KIND_ACK)
-                    await call.write(queue_pb2.ConsumeRequest(settlements=[ack]))
+                    deliveries.extend(response.deliveries)
+                    acks = [
+                        queue_pb2.Settlement(delivery_tag=d.delivery_tag, kind=queue_pb2.SETTLE_KIND_ACK)
+                        for d in response.deliveries
+                    ]
+                    await call.write(queue_pb2.ConsumeRequest(settlements=acks))
                 # Acks are applied as the master reads them; wait for that before the stream goes
                 # (cancelling it requeues whatever is still unacknowledged).
                 info = await _wait_for_depth_zero(stub, queue)

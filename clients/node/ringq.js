@@ -93,6 +93,7 @@ const STREAM_RETRYABLE = new Set([...RETRYABLE, grpc.status.INTERNAL]);
  *   deliveryCount: number, headers: Record<string, string>, publisher: string,
  *   seq: string, messageId: string
  * }} Delivery
+ * @typedef {{ deliveries: Delivery[] }} ConsumeResponse
  * @typedef {'PUBLISH_OUTCOME_CONFIRMED' | 'PUBLISH_OUTCOME_DUPLICATE' | 'PUBLISH_OUTCOME_REJECTED'} PublishOutcome
  * @typedef {'SETTLE_KIND_ACK' | 'SETTLE_KIND_REQUEUE' | 'SETTLE_KIND_REJECT'} SettleKind
  * @typedef {{ seq: number, outcome: PublishOutcome }} Confirm
@@ -607,15 +608,18 @@ class Consumer {
       prefetch: this.prefetch,
       priority: this.priority,
     });
-    call.on('data', (/** @type {Delivery} */ delivery) => {
-      if (call !== this.call || this.closing) return; // after close(): the broker requeues it
-      this.failures = 0;
-      this.origins.set(delivery, generation);
-      try {
-        const result = this.onDelivery(delivery, this);
-        if (result instanceof Promise) result.catch((error) => this.fail(error));
-      } catch (error) {
-        this.fail(/** @type {Error} */ (error));
+    call.on('data', (/** @type {ConsumeResponse} */ response) => {
+      for (const delivery of response.deliveries) {
+        // After close() (or an onDelivery that failed the consumer, even mid-response): the broker requeues it.
+        if (call !== this.call || this.closing) return;
+        this.failures = 0;
+        this.origins.set(delivery, generation);
+        try {
+          const result = this.onDelivery(delivery, this);
+          if (result instanceof Promise) result.catch((error) => this.fail(error));
+        } catch (error) {
+          this.fail(/** @type {Error} */ (error));
+        }
       }
     });
     call.on('error', (/** @type {ServiceErrorLike} */ error) => {

@@ -10,9 +10,11 @@ differs or an unknown delivery tag, UNAVAILABLE (retry) while a queue has no
 master, e.g. during a promotion.
 Guarantees: a publish stream answers its batches in order; each message is
 answered exactly once, after the master's replicas hold it; a consume stream
-that ends (client gone) cancels its consumer, requeuing what it had not
-acknowledged; a consume stream the client half-closes has every settlement it
-carried applied before the consumer is cancelled and the stream ends with OK.
+sends its deliveries in order, each response carrying those ready when it is
+sent (it never waits for more to fill one); a consume stream that ends
+(client gone) cancels its consumer, requeuing what it had not acknowledged;
+a consume stream the client half-closes has every settlement it carried
+applied before the consumer is cancelled and the stream ends with OK.
 """
 
 from __future__ import annotations
@@ -36,6 +38,11 @@ from services.queue.master import Publish as Outgoing
 from services.queue.replica import QueueReplica
 
 MAX_BODY_BYTES = 16 * 1024 * 1024
+# A Consume response carries the deliveries ready when it is sent: at most this many, of at most this
+# many body bytes in all unless it is a single delivery (a larger one goes alone, as it did before
+# responses carried batches), so a batch is never larger than one delivery may be.
+MAX_DELIVERIES_PER_RESPONSE = 256
+MAX_RESPONSE_BODY_BYTES = 1024 * 1024
 _Context = grpc.aio.ServicerContext[Any, Any]
 _Answer = TypeVar("_Answer")
 _OUTCOMES = {
@@ -86,6 +93,41 @@ def _delivery(delivery: Delivery) -> queue_pb2.QueueDelivery:
         seq=message.publisher_seq,
         message_id=message.id,
     )
+
+
+class _ReadyBatches:
+    """A consumer's deliveries taken one Consume response at a time: the first ready one (waited for) and
+    whatever else is already queued behind it (never waited for), within the caps of one response."""
+
+    def __init__(self, deliveries: asyncio.Queue[Delivery | None]) -> None:
+        self.deliveries = deliveries
+        self.held: Delivery | None = None  # taken, but over the last batch's byte budget: it opens the next
+        self.ended = False  # the end marker (None) was taken
+
+    async def next(self) -> list[Delivery]:
+        """The next batch, in delivery order; empty once the end marker is reached (what came before it
+        was in earlier batches)."""
+        if self.ended:
+            return []
+        first, self.held = self.held, None
+        if first is None:
+            first = await self.deliveries.get()
+            if first is None:
+                self.ended = True
+                return []
+        batch = [first]
+        size = len(first.message.body)
+        while len(batch) < MAX_DELIVERIES_PER_RESPONSE and not self.deliveries.empty():
+            ready = self.deliveries.get_nowait()
+            if ready is None:
+                self.ended = True
+                break
+            size += len(ready.message.body)
+            if size > MAX_RESPONSE_BODY_BYTES:
+                self.held = ready
+                break
+            batch.append(ready)
+        return batch
 
 
 class QueueServicer(queue_pb2_grpc.QueueServiceServicer):
@@ -381,7 +423,7 @@ class QueueServicer(queue_pb2_grpc.QueueServiceServicer):
 
     async def Consume(
         self, requests: AsyncIterator[queue_pb2.ConsumeRequest], context: _Context
-    ) -> AsyncIterator[queue_pb2.QueueDelivery]:
+    ) -> AsyncIterator[queue_pb2.ConsumeResponse]:
         first = await anext(aiter(requests), None)
         if first is None:
             return
@@ -389,8 +431,8 @@ class QueueServicer(queue_pb2_grpc.QueueServiceServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the first consume request attaches: no settlements")
         replica, stub, record = await self._route(first.queue, context)
         if stub is not None:
-            async for delivery in self._forward_consume(first, requests, stub, context):
-                yield delivery
+            async for response in self._forward_consume(first, requests, stub, context):
+                yield response
             return
         assert replica is not None
         tag = first.consumer_tag or f"{self.node_id}.{uuid.uuid4().hex[:12]}"
@@ -416,9 +458,10 @@ class QueueServicer(queue_pb2_grpc.QueueServiceServicer):
             consumer.deliveries.put_nowait(None)
 
         settler = asyncio.ensure_future(settle_from_stream())
+        batches = _ReadyBatches(consumer.deliveries)
         try:
-            while (ready := await consumer.deliveries.get()) is not None and not half_closed.is_set():
-                yield _delivery(ready)
+            while (batch := await batches.next()) and not half_closed.is_set():
+                yield queue_pb2.ConsumeResponse(deliveries=[_delivery(ready) for ready in batch])
             if half_closed.is_set():
                 await replica.cancel(tag)  # after the settlements, in decision order
                 return
@@ -436,8 +479,8 @@ class QueueServicer(queue_pb2_grpc.QueueServiceServicer):
         requests: AsyncIterator[queue_pb2.ConsumeRequest],
         stub: Any,
         context: _Context,
-    ) -> AsyncIterator[queue_pb2.QueueDelivery]:
-        """Proxy a consume stream to the master's node, settlements included."""
+    ) -> AsyncIterator[queue_pb2.ConsumeResponse]:
+        """Proxy a consume stream to the master's node, settlements included (responses as they come)."""
         call = stub.Consume()
 
         async def pump() -> None:
@@ -449,8 +492,8 @@ class QueueServicer(queue_pb2_grpc.QueueServiceServicer):
 
         pumping = asyncio.ensure_future(pump())
         try:
-            async for delivery in call:
-                yield delivery
+            async for response in call:
+                yield response
         except grpc.aio.AioRpcError as error:
             await context.abort(error.code(), error.details() or "")
         finally:

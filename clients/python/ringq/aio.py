@@ -662,26 +662,11 @@ class Consumer:
 
         writer = asyncio.ensure_future(write())
         progressed = False
-        history = self.connection.history
         try:
-            async for message in call:
-                delivery = Delivery(message, self.queue, self, stream.number)
+            async for response in call:
                 progressed = True
-                if self._already_acked(stream, delivery):
-                    continue
-                if tracing.enabled():
-                    tracing.event_span("ringq.receive", delivery.headers, self._attributes(delivery))
-                if history.on:
-                    history.record(
-                        "deliver",
-                        queue=self.queue,
-                        publisher=delivery.publisher,
-                        seq=delivery.seq,
-                        message_id=delivery.message_id,
-                        redelivered=delivery.redelivered,
-                        delivery_count=delivery.delivery_count,
-                    )
-                self._deliveries.put_nowait(delivery)
+                for message in response.deliveries:
+                    self._receive(stream, Delivery(message, self.queue, self, stream.number))
             if self._closing:
                 return  # the queue applied our settlements and ended the stream
             raise grpc.aio.AioRpcError(  # the broker ended the stream: treat it as a node going away
@@ -693,6 +678,25 @@ class Consumer:
         finally:
             writer.cancel()
             call.cancel()
+
+    def _receive(self, stream: _Stream, delivery: Delivery) -> None:
+        """Hand a delivery of `stream` to the application (unless it is a redelivery of one acknowledged)."""
+        if self._already_acked(stream, delivery):
+            return
+        if tracing.enabled():
+            tracing.event_span("ringq.receive", delivery.headers, self._attributes(delivery))
+        history = self.connection.history
+        if history.on:
+            history.record(
+                "deliver",
+                queue=self.queue,
+                publisher=delivery.publisher,
+                seq=delivery.seq,
+                message_id=delivery.message_id,
+                redelivered=delivery.redelivered,
+                delivery_count=delivery.delivery_count,
+            )
+        self._deliveries.put_nowait(delivery)
 
 
 class Admin:
