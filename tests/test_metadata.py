@@ -63,6 +63,22 @@ def test_policies_apply_live_to_existing_queues() -> None:
         metadata.clear_policy(store, "/", "all", NODES)
 
 
+def test_a_queue_whose_master_is_not_live_keeps_its_placement() -> None:
+    """The coordinator re-places queues when nodes come and go, but never picks a new master: the
+    queue's replicas promote the eldest synchronised mirror (or recover from the log that knows most)."""
+    store = MemoryStore()
+    metadata.set_policy(store, Policy("/", "all", "^ha\\.", {"ha-mode": "all"}), NODES)
+    queue = _declare(store, "ha.q")
+    others = [n for n in NODES if n != queue.master]
+    assert metadata.apply_policies(store, "", others) == 0
+    assert metadata.get_queue(store, "/", "ha.q").master == queue.master
+    # With the master live, a node that left loses its mirror, and gets it back when it returns.
+    assert metadata.apply_policies(store, "", [queue.master, others[0]]) == 1
+    assert metadata.get_queue(store, "/", "ha.q").mirrors == (others[0],)
+    assert metadata.apply_policies(store, "", NODES) == 1
+    assert set(metadata.get_queue(store, "/", "ha.q").mirrors) == set(others)
+
+
 def test_the_highest_priority_policy_wins() -> None:
     store = MemoryStore()
     metadata.set_policy(store, Policy("/", "low", ".*", {"ha-mode": "all"}, priority=0), NODES)

@@ -162,6 +162,12 @@ def _placed(
     effective = policies.effective_policy(queue.vhost, queue.name, all_policies)
     definition = dict(effective.definition) if effective else {}
     replication = str(definition.get("replication", "all"))
+    if queue.master and queue.master not in live_nodes:
+        # A lost master is replaced by the queue's own replicas, which know which mirror is
+        # synchronised (and a returning master's node may still recover it): leave the placement.
+        return replace(
+            queue, policy=effective.name if effective else "", policy_definition=definition, replication=replication
+        )
     current = placement.Placement(queue.master, queue.mirrors) if queue.master else None
     if replication == "none":
         definition_for_placement: Mapping[str, Any] | None = None
@@ -238,7 +244,9 @@ def delete_queue(store: Store, vhost: str, name: str, expected_version: int = 0)
 
 
 def apply_policies(store: Store, vhost: str, live_nodes: Sequence[str]) -> int:
-    """Re-apply the vhost's policies to each of its queues; returns how many changed."""
+    """Re-apply the vhost's policies (every vhost's if `vhost` is empty) to each of its queues,
+    placing them on `live_nodes` (a queue whose master is not live keeps its placement);
+    returns how many changed."""
     all_policies = list_policies(store, vhost)
     changed = 0
     for queue in list_queues(store, vhost):

@@ -91,9 +91,7 @@ class MetadataRpcs:
 
     def _live_nodes(self) -> list[str]:
         """Alive and not draining: where new replicas may go."""
-        return [
-            n.node for n in records.list_nodes(self._store) if not n.draining and self._alive(n.last_heartbeat_unix_ms)
-        ]
+        return records.placeable_nodes(self._store, self._liveness_ms, now_ms())
 
     async def NodeHeartbeat(
         self, request: coordinator_pb2.NodeHeartbeatRequest, context: _Context

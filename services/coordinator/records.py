@@ -120,6 +120,17 @@ def node_heartbeat(store: Store, node: str, at_unix_ms: int) -> None:
             return
 
 
+def placeable_nodes(store: Store, liveness_ms: int, now_unix_ms: int) -> list[str]:
+    """The nodes new replicas may go to: heard from within `liveness_ms` and not draining."""
+    return [
+        node.node
+        for node in list_nodes(store)
+        if not node.draining
+        and node.last_heartbeat_unix_ms is not None
+        and now_unix_ms - node.last_heartbeat_unix_ms < liveness_ms
+    ]
+
+
 def list_nodes(store: Store) -> list[NodeRecord]:
     """Every registered node, sorted by node id, with its last heartbeat (None if never heard)."""
     beats = {record.key: int(record.value["at_unix_ms"]) for record in store.list(HEARTBEAT)}

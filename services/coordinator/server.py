@@ -20,7 +20,7 @@ from typing import Any, Literal, ParamSpec, TypeVar
 import grpc
 
 from ringq.v1 import coordinator_pb2, coordinator_pb2_grpc, group_table_pb2
-from services.coordinator import records
+from services.coordinator import metadata, records
 from services.coordinator.convert import (
     ChangeRequest,
     change_from_request,
@@ -201,6 +201,7 @@ async def create_server(
     await server.start()
     advertised = f"{address.rsplit(':', 1)[0]}:{port}"
     _background.add(asyncio.ensure_future(_register_coordinator(store, advertised, liveness_ms)))
+    _background.add(asyncio.ensure_future(_place_on_liveness_changes(store, liveness_ms)))
     return server, port
 
 
@@ -215,6 +216,24 @@ async def _register_coordinator(store: Store, address: str, liveness_ms: int) ->
         except StoreUnavailable as error:
             log.warning("cannot refresh the coordinator's registration: %s", error)
         await asyncio.sleep(liveness_ms / 3000)
+
+
+async def _place_on_liveness_changes(store: Store, liveness_ms: int) -> None:
+    """Policies applied live: when the set of placeable nodes changes (a node joins, comes back,
+    dies or drains), re-place every queue, so ha-mode all gains the new node, exactly-N replaces a
+    dead mirror on another node. Masters are left to the queues (metadata.apply_policies)."""
+    placed_on: list[str] | None = None
+    while True:
+        await asyncio.sleep(liveness_ms / 3000)
+        try:
+            live = await asyncio.to_thread(records.placeable_nodes, store, liveness_ms, now_ms())
+            if live and live != placed_on:
+                changed = await asyncio.to_thread(metadata.apply_policies, store, "", live)
+                if changed:
+                    log.info("nodes now %s: %d queue(s) re-placed", ", ".join(live), changed)
+                placed_on = live
+        except (StoreUnavailable, metadata.Conflict) as error:
+            log.warning("cannot re-place queues after a liveness change yet: %s", error)
 
 
 def _refresh_registration(store: Store, address: str) -> None:

@@ -1,0 +1,71 @@
+"""Integration: policies are applied live when nodes come and go (issue 4, build item 4).
+
+The coordinator re-places every queue when the set of live nodes changes: under
+ha-mode exactly N a dead mirror is replaced on another node, which syncs while
+the queue keeps its messages; under ha-mode all a node that comes back gets its
+mirror again. The master is never moved by this (promotion is the queue's own
+business, with its synchronisation rules).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+from pathlib import Path
+
+import grpc
+import pytest
+
+from ringq import aio
+from ringq.v1 import coordinator_pb2, coordinator_pb2_grpc
+from services import cluster
+from tests.test_integration_durable import _wait_for_status
+from tests.test_integration_queue import _client, _start
+
+pytestmark = pytest.mark.integration
+MESSAGES = 200
+
+
+async def _set_policy(info: cluster.ClusterInfo, name: str, pattern: str, definition: dict[str, object]) -> None:
+    policy = coordinator_pb2.Policy(vhost="/", name=name, pattern=pattern, definition_json=json.dumps(definition))
+    async with grpc.aio.insecure_channel(info.coordinator.address) as channel:
+        stub = coordinator_pb2_grpc.CoordinatorServiceStub(channel)
+        await stub.SetPolicy(coordinator_pb2.SetPolicyRequest(policy=policy))
+
+
+async def _scenario(directory: Path) -> None:
+    info = await _start(directory)
+    await _set_policy(info, "two", "^two\\.", {"ha-mode": "exactly", "ha-params": 2, "ha-sync-mode": "automatic"})
+    client = _client(info, "node1", "node2", "node3")
+    for queue in ("two.orders", "ha.orders"):
+        declared = await client.declare_queue(queue, durable=True)
+        assert declared.master_node == "node1"
+        producer = client.producer(queue, publisher_id=queue, persistent=True)
+        assert await producer.publish_many([b"m"] * MESSAGES) == [aio.Outcome.CONFIRMED] * MESSAGES
+    two = await _wait_for_status(client, "two.orders", lambda s: len(s.synchronised_mirrors) == 1, 20)
+    (mirror,) = two.mirrors
+    other = ({"node2", "node3"} - {mirror}).pop()
+    await _wait_for_status(client, "ha.orders", lambda s: len(s.synchronised_mirrors) == 2, 20)
+
+    cluster.kill(directory, mirror, signal.SIGKILL)
+    # exactly 2: the dead mirror is replaced on the other node, which syncs every message.
+    two = await _wait_for_status(client, "two.orders", lambda s: list(s.synchronised_mirrors) == [other], 30)
+    assert two.master_node == "node1" and list(two.mirrors) == [other] and two.depth == MESSAGES
+    # all: the dead node's mirror is gone with it ...
+    await _wait_for_status(client, "ha.orders", lambda s: list(s.mirrors) == [other], 30)
+
+    cluster.start_node(directory, mirror)
+    # ... and comes back with it, synchronised again; exactly 2 has its two replicas and stays as it is.
+    ha = await _wait_for_status(client, "ha.orders", lambda s: len(s.synchronised_mirrors) == 2, 30)
+    assert ha.master_node == "node1" and ha.depth == MESSAGES
+    assert list((await client.queue_status("two.orders")).mirrors) == [other]
+    await client.close()
+
+
+def test_policies_follow_nodes_that_die_and_come_back(tmp_path: Path) -> None:
+    directory = tmp_path / "cluster"
+    try:
+        asyncio.run(asyncio.wait_for(_scenario(directory), 150))
+    finally:
+        cluster.down(directory)
