@@ -144,6 +144,11 @@ async def _master_stays_away(directory: Path) -> dict[str, float]:
     assert delivered == list(range(1, PUBLISHED + 1)), "every confirmed message, once, in order"
     # The other replica started over as a mirror of the new master and synchronises.
     status = await _wait_for_status(client, queue, lambda s: len(s.synchronised_mirrors) == 1, 20)
+    # The old master's node comes back at last: a mirror (its old log set aside), synchronised.
+    cluster.start_node(directory, "node1")
+    recovered_by = status.master_node
+    status = await _wait_for_status(client, queue, lambda s: len(s.synchronised_mirrors) == 2, 40)
+    assert status.master_node == recovered_by and "node1" in status.mirrors and status.depth == 0
     await client.close()
     return {"back_after": back_after}
 
