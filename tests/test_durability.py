@@ -15,7 +15,7 @@ from services.queue import wire
 from services.queue.durability import PersistedWaits, Position, elect, persist_reports
 from services.queue.master import Publish
 from services.queue.message_log import MemoryMessageLog
-from services.queue.ops import Enqueue, Message, Persisted, Settle, Synchronised
+from services.queue.ops import Desynchronised, Enqueue, Message, Persisted, Settle, Synchronised, SyncRequest
 from services.queue.replica import QueueReplica
 from tests.test_queue_replica_order import FakeHost, FakeLog, FakeMember
 
@@ -219,3 +219,35 @@ def test_a_mirror_tells_a_new_master_how_far_its_disk_goes() -> None:
         Persisted(FakeMember.id, "node9.old", 100),
         Persisted(FakeMember.id, "node2.new", 3),
     ]
+
+
+class FullDisk:
+    async def commit(self) -> None:
+        raise OSError(28, "No space left on device")
+
+
+def test_a_mirror_whose_disk_fails_drops_out_and_re_syncs() -> None:
+    """The inconsistent-error rule (seed 002) for a mirror's disk: the master's write succeeded, the
+    mirror's failed; the mirror must not say its disk holds anything, and it starts over."""
+
+    async def scenario() -> tuple[list[object], QueueReplica]:
+        replica = QueueReplica(CoordinatorHost(), QueueRecord("/", "q", master="node9", mirrors=("node1",)))
+        member = SayingMember()
+        replica.member = member  # type: ignore[assignment]
+        mirror = replica.mirror
+        assert mirror is not None
+        mirror.member = member.id
+        mirror.synchronised = True
+        replica.log = FakeLog()  # type: ignore[assignment]
+        replica.committer = FullDisk()  # type: ignore[assignment]
+        replica.host.queue_dir = lambda record: "/nonexistent/ringq-test"  # type: ignore[method-assign]
+        body = wire.encode(Enqueue(Message(1, b"kept", persistent=True)))
+        replica._on_member_event(GmDeliver("node9.m", 1, [body]))
+        await asyncio.sleep(0.05)
+        return member.said, replica
+
+    said, replica = asyncio.run(scenario())
+    assert not any(isinstance(one, Persisted) for one in said)
+    assert said == [Desynchronised(FakeMember.id), SyncRequest(FakeMember.id, 0)]
+    assert replica.log is None and replica.mirror is not None and not replica.mirror.synchronised
+    assert any("log failed" in event for event in replica.events)

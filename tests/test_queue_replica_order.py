@@ -98,6 +98,9 @@ class FakeLog:
     def live_count(self) -> int:
         return len(self.live)
 
+    def close(self) -> None:
+        pass
+
 
 def test_deliveries_reach_the_consumer_in_decision_order_when_an_ack_waits_for_the_disk() -> None:
     """Found by the failover test: on a durable queue a step with acks waits for the group commit (the
