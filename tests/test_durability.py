@@ -11,6 +11,7 @@ import pytest
 
 from services.coordinator.metadata import QueueRecord
 from services.gm.messages import Deliver as GmDeliver
+from services.gm.messages import Stopped
 from services.queue import wire
 from services.queue.durability import PersistedWaits, Position, elect, persist_reports
 from services.queue.master import Publish
@@ -251,3 +252,19 @@ def test_a_mirror_whose_disk_fails_drops_out_and_re_syncs() -> None:
     assert said == [Desynchronised(FakeMember.id), SyncRequest(FakeMember.id, 0)]
     assert replica.log is None and replica.mirror is not None and not replica.mirror.synchronised
     assert any("log failed" in event for event in replica.events)
+
+
+def test_a_master_that_stops_answers_what_waited_for_its_mirrors_disks() -> None:
+    """Found by the partition test (a master cut off, then recorded dead): a persistent publish waiting
+    for the mirrors' disks was never answered when the master's member stopped."""
+
+    async def scenario() -> None:
+        replica = _durable_master(synchronised=("node2",))
+        confirmed = replica.publish_in_order([Publish(b"keep me", persistent=True)])
+        await asyncio.sleep(0.05)
+        assert not confirmed.done()
+        replica._on_member_event(Stopped("recorded dead"))
+        with pytest.raises(ConnectionAbortedError, match="recorded dead"):
+            await asyncio.wait_for(confirmed, 1)
+
+    asyncio.run(scenario())

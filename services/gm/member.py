@@ -142,6 +142,9 @@ class MemberShell:
         first, _ = await result
         last = first + count - 1
         if confirmed and last > self._confirmed_through:
+            if self.stopped is not None:
+                # Stopped in the same pass that took the broadcast: _finish already failed the waiters.
+                raise ConnectionAbortedError(f"member {self.id} stopped: {self.stopped.reason}")
             waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
             self._confirms.append((last, waiter))
             await waiter

@@ -94,6 +94,12 @@ class PersistedWaits(Generic[Token]):
             self._waiting = [entry for entry in self._waiting if entry[1] not in done]
         return ready
 
+    def take_all(self) -> list[Token]:
+        """Every waiting token (forgotten): the master is stopping, nothing will be confirmed."""
+        tokens = [token for _, token, _ in self._waiting]
+        self._waiting = []
+        return tokens
+
     def drop(self, token: Token) -> None:
         self._waiting = [entry for entry in self._waiting if entry[1] != token]
 

@@ -395,6 +395,7 @@ class QueueReplica:
         self._spawn(self._depth_reports())
 
     async def stop(self) -> None:
+        self._abandon_persisted_waits("the replica stopped")
         for consumer in self.consumers.values():
             consumer.deliveries.put_nowait(None)
         for task in self._tasks:
@@ -636,6 +637,7 @@ class QueueReplica:
                 self._mirror_log_commit()
         elif isinstance(event, Stopped):
             self.status = f"stopped: {event.reason}"
+            self._abandon_persisted_waits(self.status)
             for consumer in self.consumers.values():
                 consumer.deliveries.put_nowait(None)
 
@@ -767,6 +769,8 @@ class QueueReplica:
         try:
             await held
             await self._update(mark)
+        except ConnectionAbortedError:
+            return  # this master stopped: nobody is marked by it any more
         finally:
             if self.announced.get(node) is held:
                 del self.announced[node]
@@ -789,6 +793,11 @@ class QueueReplica:
             finally:
                 self.persisted_waits.drop(held)
         self._last_persistent_seq = max(self._last_persistent_seq, seq)
+
+    def _abandon_persisted_waits(self, why: str) -> None:
+        for held in self.persisted_waits.take_all():
+            if not held.done():
+                held.set_exception(ConnectionAbortedError(f"queue {self.record.name}: {why}"))
 
     def _release_persisted(self) -> None:
         for held in self.persisted_waits.release(self._required_disks()):
