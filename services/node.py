@@ -31,6 +31,7 @@ from typing import Any
 import grpc
 
 from ringq import tracing
+from ringq.keepalive import SERVER_KEEPALIVE
 from ringq.v1 import group_pb2, group_pb2_grpc, peer_pb2, peer_pb2_grpc, queue_pb2_grpc
 from services.arguments import OneLineParser, address_argument, addresses_argument, node_id_argument
 from services.coordinator.client import CoordinatorClient
@@ -60,6 +61,7 @@ MAX_GRPC_MESSAGE_BYTES = 64 * 1024 * 1024
 SERVER_OPTIONS = [
     ("grpc.max_send_message_length", MAX_GRPC_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_GRPC_MESSAGE_BYTES),
+    *SERVER_KEEPALIVE,
 ]
 # A Delivery event carries at most this many payload bytes (but always at
 # least one payload), so one flush of many large payloads becomes several events.

@@ -13,7 +13,7 @@ shared by the tests below, which each judge one guarantee (ARCHITECTURE.md secti
   no confirm while the partition lasts (its reports cannot get round the ring, and its view cannot
   change without the coordinator);
 - publishing goes on through the new master: the client host's producers fail over and resend what
-  was unconfirmed; the queue answers DUPLICATE for those it already holds (known to fail: marked xfail);
+  was unconfirmed; the queue answers DUPLICATE for those it already holds;
 - after the heal there is one master: QueueStatus through every node names it, the old master's GM
   member is recorded dead, and messages published through node1 alone reach the new master;
 - after the heal every producer gets an answer for every message;
@@ -591,26 +591,11 @@ def test_the_cut_off_master_confirms_nothing(observed: _Observed) -> None:
     assert not late, f"the cut-off master confirmed {len(late)} messages, {late[0] - start:.2f}s after the cut on"
 
 
-# Known failures (reported; the fixes belong in services/ and clients/, not here). A silent partition
-# never breaks a gRPC stream: nothing sets keepalives, so a stream to the cut-off master waits for as
-# long as the partition lasts (TCP would give up after some 15 minutes).
-_FORWARDS_TO_THE_OLD_MASTER = pytest.mark.xfail(
-    strict=True,
-    reason="node2 keeps relaying the publish stream to node1 after node2 itself was promoted "
-    "(services/queue/service.py _forward_publish waits on node1 with no deadline and ignores the new record)",
-)
-_NO_CLIENT_KEEPALIVE = pytest.mark.xfail(
-    strict=True,
-    reason="a producer whose stream is on the cut-off master never fails over: the SDK's channels have no "
-    "keepalive and a stream that gets no confirms has no deadline (clients/python/ringq/aio.py)",
-)
-
-
 @pytest.mark.parametrize(
     "publisher",
     [
-        pytest.param(FORWARDED, marks=_FORWARDS_TO_THE_OLD_MASTER, id="through-node2"),
-        pytest.param(DIRECT, marks=_NO_CLIENT_KEEPALIVE, id="through-node1"),
+        pytest.param(FORWARDED, id="through-node2"),  # node2 relays it until it is the master itself
+        pytest.param(DIRECT, id="through-node1"),  # gRPC keepalive notices the silent node1 (ringq.keepalive)
     ],
 )
 def test_publishing_goes_on_through_the_new_master(observed: _Observed, publisher: str) -> None:
@@ -643,20 +628,11 @@ def test_after_the_heal_there_is_one_master(observed: _Observed) -> None:
 
 def test_every_message_is_answered_after_the_heal(observed: _Observed) -> None:
     """Liveness: once healed, every producer gets an answer for every message (within FLUSH_SECONDS of being
-    stopped). One known, intermittent failure is reported as XFAIL (about one run in four here): a stream
-    that held messages on node1 through the cut is never answered, nor ended, after the heal."""
+    stopped): nothing is left waiting on the old master's replica when it steps aside."""
     for publisher, result in observed.produced.items():
         unanswered = result["unconfirmed"]
         if not unanswered:
             continue
-        sent_at_heal = observed.at_heal[publisher]["sent"]
-        if result["resends"] == 0 and max(unanswered) <= sent_at_heal:
-            pytest.xfail(
-                f"{publisher}: {len(unanswered)} messages sent before the heal were never answered and its stream "
-                f"(on {result['address']}) never broke: once node1's replica steps aside after the heal, a confirm "
-                "it was holding is never failed (suspects: services/queue/replica.py stop() leaves _mirrors_hold "
-                "waits pending; services/gm/member.py _broadcast_done can add a confirm waiter after _finish)"
-            )
         raise AssertionError(f"{publisher}: {len(unanswered)} messages never answered, e.g. {unanswered[:5]}: {result}")
 
 

@@ -74,6 +74,11 @@ const CHANNEL_OPTIONS = Object.freeze({
   'grpc.max_receive_message_length': 64 * 1024 * 1024,
   'grpc.initial_reconnect_backoff_ms': 50,
   'grpc.max_reconnect_backoff_ms': 1000,
+  // HTTP/2 keepalive: a node cut off by a network partition fails the calls waiting on it within
+  // seconds (as the Python SDK's ringq.keepalive), so the client moves to another node.
+  'grpc.keepalive_time_ms': 2000,
+  'grpc.keepalive_timeout_ms': 2000,
+  'grpc.keepalive_permit_without_calls': 1,
 });
 
 /** Statuses after which a call is retried on the next address. */

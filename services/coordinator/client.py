@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Self, TypeVar
 import grpc
 from tenacity import AsyncRetrying, retry_if_exception, stop_after_delay, wait_exponential
 
+from ringq.keepalive import CHANNEL_KEEPALIVE
 from ringq.v1 import coordinator_pb2, coordinator_pb2_grpc
 from services.coordinator.convert import (
     change_to_request,
@@ -41,6 +42,7 @@ BACKOFF_MAX_SECONDS = 1.0
 CHANNEL_OPTIONS = [
     ("grpc.initial_reconnect_backoff_ms", int(BACKOFF_FIRST_SECONDS * 1000)),
     ("grpc.max_reconnect_backoff_ms", int(BACKOFF_MAX_SECONDS * 1000)),
+    *CHANNEL_KEEPALIVE,  # a coordinator cut off by a partition is left for another within seconds
 ]
 
 

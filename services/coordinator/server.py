@@ -19,6 +19,7 @@ from typing import Any, Literal, ParamSpec, TypeVar
 
 import grpc
 
+from ringq.keepalive import SERVER_KEEPALIVE
 from ringq.v1 import coordinator_pb2, coordinator_pb2_grpc, group_table_pb2
 from services.coordinator import metadata, records
 from services.coordinator.convert import (
@@ -192,7 +193,7 @@ async def create_server(
     Also starts, for the life of the event loop, the change feed behind Watch
     and this coordinator's registration (so cluster_status lists it).
     """
-    server = grpc.aio.server()
+    server = grpc.aio.server(options=SERVER_KEEPALIVE)
     feed = ChangeFeed(store)
     await feed.start()
     coordinator_pb2_grpc.add_CoordinatorServiceServicer_to_server(CoordinatorServicer(store, feed, liveness_ms), server)

@@ -28,6 +28,7 @@ from typing import Any
 
 import grpc
 
+from ringq.keepalive import CHANNEL_KEEPALIVE
 from ringq.v1 import peer_pb2, peer_pb2_grpc
 from services.gm.fragments import MAX_FRAGMENT_BYTES, FragmentError, Reassembler, split
 
@@ -41,6 +42,7 @@ CHANNEL_OPTIONS = [
     # Reconnect quickly after a peer restarts; gRPC's default backoff reaches minutes.
     ("grpc.initial_reconnect_backoff_ms", 50),
     ("grpc.max_reconnect_backoff_ms", 1000),
+    *CHANNEL_KEEPALIVE,
 ]
 
 log = logging.getLogger("ringq.links")

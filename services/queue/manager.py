@@ -58,6 +58,10 @@ class QueueManager:
         self.replicas: dict[QueueKey, QueueReplica] = {}
         self._starting: dict[QueueKey, asyncio.Future[QueueReplica | None]] = {}
         self._tasks: set[asyncio.Future[None]] = set()
+        # Where every queue's master is, as the record watch last said (placed here or not),
+        # and an event set (then replaced) whenever a master moves.
+        self.masters: dict[QueueKey, str] = {}
+        self._master_moved = asyncio.Event()
         self.forward_publish: Callable[[QueueRecord, list[Publish]], Awaitable[None]] | None = None
         self.metrics = QueueMetrics(self.node_id, self._masters) if tracing.metrics_enabled() else None
 
@@ -111,6 +115,7 @@ class QueueManager:
     async def ensure(self, record: QueueRecord) -> QueueReplica | None:
         """Run a replica of `record` here if it names this node; returns it (None if not placed here)."""
         key = (record.vhost, record.name)
+        self._note_master(key, record.master)
         placed_here = self.node_id == record.master or self.node_id in record.mirrors
         replica = self.replicas.get(key)
         if replica is not None:
@@ -140,6 +145,19 @@ class QueueManager:
             return None
         finally:
             del self._starting[key]
+
+    def _note_master(self, key: QueueKey, master: str) -> None:
+        if self.masters.get(key) != master:
+            self.masters[key] = master
+            self._master_moved.set()
+            self._master_moved = asyncio.Event()
+
+    async def master_moved(self, vhost: str, name: str, master: str) -> str:
+        """Return (the new master) once the records say the queue's master is no longer `master`."""
+        key = (vhost, name)
+        while self.masters.get(key, master) == master:
+            await self._master_moved.wait()
+        return self.masters.get(key, "")
 
     def local(self, vhost: str, name: str) -> QueueReplica | None:
         return self.replicas.get((vhost, name))

@@ -45,6 +45,7 @@ MAX_DELIVERIES_PER_RESPONSE = 256
 MAX_RESPONSE_BODY_BYTES = 1024 * 1024
 _Context = grpc.aio.ServicerContext[Any, Any]
 _Answer = TypeVar("_Answer")
+_T = TypeVar("_T")
 _OUTCOMES = {
     PublishOutcome.ACCEPTED: queue_pb2.PUBLISH_OUTCOME_CONFIRMED,
     PublishOutcome.DUPLICATE: queue_pb2.PUBLISH_OUTCOME_DUPLICATE,
@@ -331,11 +332,12 @@ class QueueServicer(queue_pb2_grpc.QueueServiceServicer):
                     key = (_vhost(request.queue), request.queue.queue)
                     if key not in routes:
                         try:
-                            replica, stub, _ = await self._find(request.queue)
+                            replica, stub, record = await self._find(request.queue)
                         except Refused as refused:
                             pending.put_nowait(failed(refused))
                             break
                         routes[key] = (replica, stub)
+                        forwarded.master = record.master
                     replica, stub = routes[key]
                     if stub is not None:
                         if tracing.enabled():
@@ -395,7 +397,7 @@ class QueueServicer(queue_pb2_grpc.QueueServiceServicer):
         async with forwarded.lock:  # one request, one response: keep them paired
             try:
                 await call.write(request)
-                response = await call.read()
+                response = await self._unless_master_moves(call.read(), request.queue, forwarded.master)
             except (grpc.aio.AioRpcError, asyncio.InvalidStateError) as error:
                 code = error.code() if isinstance(error, grpc.aio.AioRpcError) else grpc.StatusCode.UNAVAILABLE
                 if code not in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND):
@@ -406,6 +408,23 @@ class QueueServicer(queue_pb2_grpc.QueueServiceServicer):
         if response is grpc.aio.EOF:  # type: ignore[attr-defined]
             raise Refused(grpc.StatusCode.UNAVAILABLE, "the queue's master closed the stream; retry")
         return response  # type: ignore[no-any-return]
+
+    async def _unless_master_moves(self, reply: Awaitable[_T], ref: queue_pb2.QueueRef, master: str) -> _T:
+        """`reply` from the master's node, unless the queue's master moves first (its node may be cut
+        off and never answer): then the client is told to retry, and resends to the new master."""
+        answered = asyncio.ensure_future(reply)
+        moved = asyncio.ensure_future(self.manager.master_moved(_vhost(ref), ref.queue, master))
+        try:
+            await asyncio.wait({answered, moved}, return_when=asyncio.FIRST_COMPLETED)
+            if not answered.done():
+                raise Refused(
+                    grpc.StatusCode.UNAVAILABLE, f"queue {ref.queue!r}: its master moved to {moved.result()}; retry"
+                )
+            return answered.result()
+        finally:
+            moved.cancel()
+            if not answered.done():
+                answered.cancel()
 
     async def _forward_dead_letters(self, record: QueueRecord, items: list[Outgoing]) -> None:
         address = await self.address_of(record.master)
@@ -431,7 +450,7 @@ class QueueServicer(queue_pb2_grpc.QueueServiceServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the first consume request attaches: no settlements")
         replica, stub, record = await self._route(first.queue, context)
         if stub is not None:
-            async for response in self._forward_consume(first, requests, stub, context):
+            async for response in self._forward_consume(first, requests, stub, record.master, context):
                 yield response
             return
         assert replica is not None
@@ -478,9 +497,11 @@ class QueueServicer(queue_pb2_grpc.QueueServiceServicer):
         first: queue_pb2.ConsumeRequest,
         requests: AsyncIterator[queue_pb2.ConsumeRequest],
         stub: Any,
+        master: str,
         context: _Context,
     ) -> AsyncIterator[queue_pb2.ConsumeResponse]:
-        """Proxy a consume stream to the master's node, settlements included (responses as they come)."""
+        """Proxy a consume stream to the master's node, settlements included (responses as they come);
+        if the queue's master moves meanwhile, the client is told to resume (at the new master)."""
         call = stub.Consume()
 
         async def pump() -> None:
@@ -492,8 +513,10 @@ class QueueServicer(queue_pb2_grpc.QueueServiceServicer):
 
         pumping = asyncio.ensure_future(pump())
         try:
-            async for response in call:
+            while (response := await self._unless_master_moves(call.read(), first.queue, master)) is not grpc.aio.EOF:  # type: ignore[attr-defined]
                 yield response
+        except Refused as refused:
+            await context.abort(refused.code, refused.details)
         except grpc.aio.AioRpcError as error:
             await context.abort(error.code(), error.details() or "")
         finally:
@@ -544,6 +567,7 @@ class _ForwardedStream:
 
     def __init__(self) -> None:
         self.call: Any = None
+        self.master = ""  # the node relayed to
         self.lock = asyncio.Lock()
 
 

@@ -51,6 +51,7 @@ from tenacity import AsyncRetrying, retry_if_exception, stop_after_delay, wait_e
 
 from ringq import tracing
 from ringq.history import History
+from ringq.keepalive import CHANNEL_KEEPALIVE
 from ringq.v1 import coordinator_pb2, coordinator_pb2_grpc, queue_pb2, queue_pb2_grpc
 
 CHANNEL_OPTIONS = [
@@ -58,6 +59,7 @@ CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", 64 * 1024 * 1024),
     ("grpc.initial_reconnect_backoff_ms", 50),
     ("grpc.max_reconnect_backoff_ms", 1000),
+    *CHANNEL_KEEPALIVE,  # a node cut off by a partition is left within seconds, not minutes
 ]
 RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.ABORTED)
 # A stream the broker ended while we were still writing to it reports INTERNAL
@@ -717,7 +719,7 @@ class Admin:
         for address in self.addresses:
             channel = self._channels.get(address)
             if channel is None:
-                channel = self._channels[address] = grpc.aio.insecure_channel(address)
+                channel = self._channels[address] = grpc.aio.insecure_channel(address, options=CHANNEL_KEEPALIVE)
             stub = coordinator_pb2_grpc.CoordinatorServiceStub(channel)
             try:
                 return await getattr(stub, method)(request, timeout=self.timeout)
