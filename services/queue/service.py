@@ -351,7 +351,7 @@ class QueueServicer(queue_pb2_grpc.QueueServiceServicer):
                             request.publisher,
                             m.seq,
                             m.persistent,
-                            dict(m.headers),
+                            dict(m.headers) if m.headers else {},
                             m.priority,
                             m.expiration_ms or None,
                         )

@@ -32,18 +32,20 @@ AnyReport = Report | MirrorSays
 
 
 def message_to_proto(message: Message) -> pb.ReplicatedMessage:
-    return pb.ReplicatedMessage(
+    out = pb.ReplicatedMessage(
         id=message.id,
         body=message.body,
         publisher=message.publisher,
         publisher_seq=message.publisher_seq,
         persistent=message.persistent,
-        headers=message.headers,
         priority=message.priority,
         enqueued_at_ms=message.enqueued_at_ms,
         expires_at_ms=message.expires_at_ms,
         delivery_count=message.delivery_count,
     )
+    if message.headers:  # most messages have none; an empty map still costs as much as a full field
+        out.headers.update(message.headers)
+    return out
 
 
 def message_from_proto(m: pb.ReplicatedMessage) -> Message:
@@ -53,7 +55,7 @@ def message_from_proto(m: pb.ReplicatedMessage) -> Message:
         publisher=m.publisher,
         publisher_seq=m.publisher_seq,
         persistent=m.persistent,
-        headers=dict(m.headers),
+        headers=dict(m.headers) if m.headers else {},
         priority=m.priority,
         enqueued_at_ms=m.enqueued_at_ms,
         expires_at_ms=m.expires_at_ms,
@@ -62,10 +64,10 @@ def message_from_proto(m: pb.ReplicatedMessage) -> Message:
 
 
 def encode(report: AnyReport) -> bytes:
+    if isinstance(report, Enqueue):  # the hot path: one per published message
+        return pb.QueueReport(enqueue=message_to_proto(report.message)).SerializeToString()
     out = pb.QueueReport()
-    if isinstance(report, Enqueue):
-        out.enqueue.CopyFrom(message_to_proto(report.message))
-    elif isinstance(report, Deliver):
+    if isinstance(report, Deliver):
         out.deliver.ids.extend(report.ids)
     elif isinstance(report, Settle):
         out.settle.ids.extend(report.ids)
