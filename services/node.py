@@ -63,6 +63,13 @@ SERVER_OPTIONS = [
     ("grpc.max_receive_message_length", MAX_GRPC_MESSAGE_BYTES),
     *SERVER_KEEPALIVE,
 ]
+# Channels to other nodes for what is not a ring link (queue calls relayed to a master, AddOnRight):
+# they carry whole client messages, so the server's limits, not the ring's fragment-sized ones.
+PEER_CHANNEL_OPTIONS = [
+    *((name, value) for name, value in CHANNEL_OPTIONS if not name.startswith("grpc.max_")),
+    ("grpc.max_send_message_length", MAX_GRPC_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_GRPC_MESSAGE_BYTES),
+]
 # A Delivery event carries at most this many payload bytes (but always at
 # least one payload), so one flush of many large payloads becomes several events.
 MAX_DELIVERY_EVENT_BYTES = 4 * 1024 * 1024
@@ -257,7 +264,7 @@ class Node:
     def peer_channel(self, address: str) -> grpc.aio.Channel:
         channel = self._peer_channels.get(address)
         if channel is None:
-            channel = self._peer_channels[address] = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+            channel = self._peer_channels[address] = grpc.aio.insecure_channel(address, options=PEER_CHANNEL_OPTIONS)
         return channel
 
     def _on_ring_message(self, peer: str, message: Any) -> None:
