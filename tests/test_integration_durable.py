@@ -14,7 +14,7 @@ import asyncio
 import contextlib
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -91,13 +91,18 @@ async def _scenario(directory: Path) -> dict[str, float]:
     return {"back_after": back_after}
 
 
-def test_a_durable_queue_survives_a_restart_of_every_node(tmp_path: Path) -> None:
+def _on_a_cluster(tmp_path: Path, scenario: Callable[[Path], Awaitable[dict[str, float]]]) -> dict[str, float]:
+    """Run `scenario` on a cluster in tmp_path, stopped afterwards whatever happens."""
     directory = tmp_path / "cluster"
     try:
-        figures = asyncio.run(asyncio.wait_for(_scenario(directory), 180))
-        print(f"the queue served again {figures['back_after']:.1f}s after every node was restarted")
+        return asyncio.run(asyncio.wait_for(scenario(directory), 180))
     finally:
         cluster.down(directory)
+
+
+def test_a_durable_queue_survives_a_restart_of_every_node(tmp_path: Path) -> None:
+    figures = _on_a_cluster(tmp_path, _scenario)
+    print(f"the queue served again {figures['back_after']:.1f}s after every node was restarted")
 
 
 async def _wait_for_status(client: aio.Connection, queue: str, ready: Callable[[Any], bool], seconds: float) -> Any:
@@ -156,9 +161,5 @@ async def _master_stays_away(directory: Path) -> dict[str, float]:
 def test_a_queue_whose_master_does_not_come_back_is_recovered_by_the_replica_that_knows_most(
     tmp_path: Path,
 ) -> None:
-    directory = tmp_path / "cluster"
-    try:
-        figures = asyncio.run(asyncio.wait_for(_master_stays_away(directory), 180))
-        print(f"recovered without its master {figures['back_after']:.1f}s after the restart")
-    finally:
-        cluster.down(directory)
+    figures = _on_a_cluster(tmp_path, _master_stays_away)
+    print(f"recovered without its master {figures['back_after']:.1f}s after the restart")
