@@ -52,6 +52,9 @@ class PublisherSeqs:
     def add(self, seq: int) -> None:
         if seq <= self.through:
             return
+        if seq == self.through + 1 and not self.above:  # the usual case: the next one, in order
+            self.through = seq
+            return
         self.above.add(seq)
         while self.through + 1 in self.above:
             self.through += 1
@@ -137,10 +140,14 @@ class QueueContents:
         if message.id in self.messages:
             return
         self.messages[message.id] = message
-        self.bytes += message.size
-        self.max_id = max(self.max_id, message.id)
+        self.bytes += len(message.body)
+        if message.id > self.max_id:
+            self.max_id = message.id
         if message.publisher and message.publisher_seq > 0:
-            self.publishers.setdefault(message.publisher, PublisherSeqs()).add(message.publisher_seq)
+            seqs = self.publishers.get(message.publisher)
+            if seqs is None:
+                seqs = self.publishers[message.publisher] = PublisherSeqs()
+            seqs.add(message.publisher_seq)
         if ready:
             self._make_ready(message.id)
         else:

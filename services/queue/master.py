@@ -40,7 +40,7 @@ class QueueError(Exception):
         self.code = code
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)  # built per message: not frozen (see Publish)
 class Settlement:
     """One settlement of a consumer's delivery: kind is "ack", "requeue" or "reject"."""
 
@@ -75,7 +75,7 @@ class QueueLimits:
         )
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)  # not frozen: a frozen dataclass costs ~1 us more to build, once per message
 class Publish:
     """A message as a publisher sends it."""
 
@@ -94,7 +94,7 @@ class PublishOutcome(enum.Enum):
     REJECTED = "rejected"  # nack it: the queue is full and its overflow is reject-publish
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)  # built per message: not frozen (see Publish)
 class Delivery:
     """A message handed to a consumer under a delivery tag."""
 
@@ -176,7 +176,7 @@ class QueueMaster:
             publisher=item.publisher,
             publisher_seq=item.seq,
             persistent=item.persistent,
-            headers=dict(item.headers),
+            headers=dict(item.headers) if item.headers else {},
             priority=item.priority,
             enqueued_at_ms=now_ms,
             expires_at_ms=min(expiries) if expiries else 0,
