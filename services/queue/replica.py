@@ -111,6 +111,8 @@ class QueueReplica(ReplicaDisks):
         # A mirror's log from before a restart, kept while its master is away.
         self.recovered_log: FileMessageLog | None = None
         self.recovering = False
+        self.log_backlog: list[Report] | None = None
+        self._log_start: asyncio.Future[None] | None = None
         if record.master == host.node_id:
             self.master = QueueMaster(record.name, self._recover(), self.limits, self.epoch)
         else:
@@ -463,13 +465,16 @@ class QueueReplica(ReplicaDisks):
             self.epoch = report.epoch
         self.applied_from, self.applied_seq = publisher, seq
         said = mirror.apply(report)
-        appended = self.log is not None and persist_reports(self.log, (report,))
+        appended = False
+        if self.log_backlog is not None:
+            self.log_backlog.append(report)  # a new log is being written: it follows
+        elif self.log is not None:
+            appended = persist_reports(self.log, (report,))
         for one in said:
             if isinstance(one, Desynchronised):
                 self._drop_log()
             if isinstance(one, Synchronised) and self.record.durable and self.replicates_messages:
-                self._write_holdings_to_new_log(mirror.contents, Position(self.epoch, seq))
-                self._spawn(self._synchronised_on_disk(one))
+                self._start_mirror_log(one)
             else:
                 self._say(one)
         if tracing.enabled():
@@ -594,6 +599,7 @@ class QueueReplica(ReplicaDisks):
             synchronised = tuple(m for m in current.synchronised_mirrors if m in mirrors)
             return replace_record(current, master=self.host.node_id, mirrors=mirrors, synchronised_mirrors=synchronised)
 
+        await self._log_started()
         self.epoch += 1
         self.master, step = mirror.promote(self.limits, self.epoch)
         self.mirror = None

@@ -17,6 +17,7 @@ waits on a mirror's disk is left waiting once the master's member stops.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import shutil
@@ -27,6 +28,7 @@ from typing import Protocol
 
 from services.coordinator.metadata import QueueRecord
 from services.gm.member import MemberEvent, MemberShell
+from services.queue import wire
 from services.queue.contents import QueueContents
 from services.queue.durability import (
     PersistedWaits,
@@ -41,9 +43,12 @@ from services.queue.master import Publish, QueueLimits, QueueMaster, Step
 from services.queue.message_log import FileMessageLog
 from services.queue.metrics import QueueMetrics
 from services.queue.mirror import QueueMirror
-from services.queue.ops import MirrorSays, Persisted, Synchronised
+from services.queue.ops import Message, MirrorSays, Persisted, Report, Synchronised
 
 log = logging.getLogger("ringq.queue")
+# Messages a newly synchronised mirror writes into its new log between two turns of the event loop
+# (a 100,000-message queue written at once held a mirror's loop, and so the ring, for 0.6 s).
+HOLDINGS_CHUNK = 2_000
 
 
 def node_of(member: str) -> str:
@@ -97,6 +102,10 @@ class ReplicaDisks:
     _last_persistent_seq: int
     recovered_log: FileMessageLog | None
     recovering: bool
+    # While a newly synchronised mirror writes its new log: the reports applied meanwhile, in order.
+    log_backlog: list[Report] | None
+    _log_start: asyncio.Future[None] | None
+    _tasks: set[asyncio.Future[None]]
 
     # QueueReplica's, used here.
     def _spawn(self, coroutine: Awaitable[None]) -> None:
@@ -178,6 +187,50 @@ class ReplicaDisks:
         self._open_log(fresh=True)
         assert self.log is not None
         write_holdings(self.log, contents.messages, position)
+
+    def _start_mirror_log(self, said: Synchronised) -> None:
+        """A mirror of a durable queue just became synchronised: write what it holds into a new log, a
+        chunk at a time so the event loop (and the ring) keeps going; the reports applied meanwhile
+        wait in `log_backlog` and follow in order; then say it is synchronised."""
+        mirror = self.mirror
+        assert mirror is not None
+        messages = mirror.contents.messages
+        holdings = [messages[message_id] for message_id in sorted(messages) if messages[message_id].persistent]
+        self.log_backlog = []
+        task = asyncio.ensure_future(self._write_mirror_log(holdings, said))
+        self._log_start = task
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _write_mirror_log(self, holdings: list[Message], said: Synchronised) -> None:
+        path = self.host.queue_dir(self.record)
+        shutil.rmtree(path, ignore_errors=True)
+        os.makedirs(path, exist_ok=True)
+        new_log = FileMessageLog(path)
+        written = False
+        try:
+            for start in range(0, len(holdings), HOLDINGS_CHUNK):
+                for message in holdings[start : start + HOLDINGS_CHUNK]:
+                    new_log.append_enqueue(message.id, wire.message_to_proto(message).SerializeToString())
+                await asyncio.sleep(0)
+                if self.mirror is None or not self.mirror.synchronised:
+                    return  # promoted meanwhile (the promotion waits for this), or desynchronised
+            persist_reports(new_log, self.log_backlog or ())
+            new_log.append_mark(Position(self.epoch, self.applied_seq).encode().encode())
+            written = True
+        finally:
+            self.log_backlog = None
+            if not written:
+                new_log.close()
+                shutil.rmtree(path, ignore_errors=True)
+        self.log, self.committer = new_log, GroupCommitter(new_log)
+        await self._synchronised_on_disk(said)
+
+    async def _log_started(self) -> None:
+        """Wait for a new mirror log being written (a promotion needs to know whether there is one)."""
+        if self._log_start is not None and not self._log_start.done():
+            with contextlib.suppress(Exception):
+                await asyncio.shield(self._log_start)
 
     def _drop_log(self) -> None:
         if self.log is not None:
