@@ -304,7 +304,10 @@ def test_a_newly_synchronised_mirror_writes_its_log_without_holding_the_event_lo
         later = [wire.encode(Enqueue(Message(held + 1, b"later", persistent=True))), wire.encode(Settle((1,)))]
         replica._on_member_event(GmDeliver("node9.m", held + 2, later))
         await asyncio.wait_for(counting, 5)
-        await asyncio.sleep(0.05)
+        for _ in range(500):  # its group commit runs in a worker thread: wait for what it says after it
+            if len(member.said) >= 2:
+                break
+            await asyncio.sleep(0.01)
         assert replica.log is not None
         replica.log.flush()
         return [i for i, _ in replica.log.recover()], member.said, turns
