@@ -337,7 +337,8 @@ class QueueServicer(queue_pb2_grpc.QueueServiceServicer):
                             pending.put_nowait(failed(refused))
                             break
                         routes[key] = (replica, stub)
-                        forwarded.master = record.master
+                        if stub is not None and forwarded.moved is None:
+                            forwarded.moved = self._watch_master(record)
                     replica, stub = routes[key]
                     if stub is not None:
                         if tracing.enabled():
@@ -387,6 +388,8 @@ class QueueServicer(queue_pb2_grpc.QueueServiceServicer):
                     leftover.cancel()
             if forwarded.call is not None:
                 forwarded.call.cancel()
+            if forwarded.moved is not None:
+                forwarded.moved.cancel()
 
     async def _forward_publish(
         self, stub: Any, request: queue_pb2.PublishRequest, forwarded: _ForwardedStream
@@ -397,7 +400,8 @@ class QueueServicer(queue_pb2_grpc.QueueServiceServicer):
         async with forwarded.lock:  # one request, one response: keep them paired
             try:
                 await call.write(request)
-                response = await self._unless_master_moves(call.read(), request.queue, forwarded.master)
+                assert forwarded.moved is not None
+                response = await _unless_master_moves(call.read(), forwarded.moved, request.queue.queue)
             except (grpc.aio.AioRpcError, asyncio.InvalidStateError) as error:
                 code = error.code() if isinstance(error, grpc.aio.AioRpcError) else grpc.StatusCode.UNAVAILABLE
                 if code not in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND):
@@ -409,22 +413,10 @@ class QueueServicer(queue_pb2_grpc.QueueServiceServicer):
             raise Refused(grpc.StatusCode.UNAVAILABLE, "the queue's master closed the stream; retry")
         return response  # type: ignore[no-any-return]
 
-    async def _unless_master_moves(self, reply: Awaitable[_T], ref: queue_pb2.QueueRef, master: str) -> _T:
-        """`reply` from the master's node, unless the queue's master moves first (its node may be cut
-        off and never answer): then the client is told to retry, and resends to the new master."""
-        answered = asyncio.ensure_future(reply)
-        moved = asyncio.ensure_future(self.manager.master_moved(_vhost(ref), ref.queue, master))
-        try:
-            await asyncio.wait({answered, moved}, return_when=asyncio.FIRST_COMPLETED)
-            if not answered.done():
-                raise Refused(
-                    grpc.StatusCode.UNAVAILABLE, f"queue {ref.queue!r}: its master moved to {moved.result()}; retry"
-                )
-            return answered.result()
-        finally:
-            moved.cancel()
-            if not answered.done():
-                answered.cancel()
+    def _watch_master(self, record: QueueRecord) -> asyncio.Future[str]:
+        """Completes (with the new master) once the records say `record`'s master moved: a stream
+        relayed to the old one must end then (its node may be cut off and never answer)."""
+        return asyncio.ensure_future(self.manager.master_moved(record.vhost, record.name, record.master))
 
     async def _forward_dead_letters(self, record: QueueRecord, items: list[Outgoing]) -> None:
         address = await self.address_of(record.master)
@@ -450,7 +442,7 @@ class QueueServicer(queue_pb2_grpc.QueueServiceServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the first consume request attaches: no settlements")
         replica, stub, record = await self._route(first.queue, context)
         if stub is not None:
-            async for response in self._forward_consume(first, requests, stub, record.master, context):
+            async for response in self._forward_consume(first, requests, stub, record, context):
                 yield response
             return
         assert replica is not None
@@ -497,12 +489,13 @@ class QueueServicer(queue_pb2_grpc.QueueServiceServicer):
         first: queue_pb2.ConsumeRequest,
         requests: AsyncIterator[queue_pb2.ConsumeRequest],
         stub: Any,
-        master: str,
+        record: QueueRecord,
         context: _Context,
     ) -> AsyncIterator[queue_pb2.ConsumeResponse]:
         """Proxy a consume stream to the master's node, settlements included (responses as they come);
         if the queue's master moves meanwhile, the client is told to resume (at the new master)."""
         call = stub.Consume()
+        moved = self._watch_master(record)
 
         async def pump() -> None:
             with contextlib.suppress(grpc.aio.AioRpcError, asyncio.InvalidStateError):
@@ -513,13 +506,14 @@ class QueueServicer(queue_pb2_grpc.QueueServiceServicer):
 
         pumping = asyncio.ensure_future(pump())
         try:
-            while (response := await self._unless_master_moves(call.read(), first.queue, master)) is not grpc.aio.EOF:  # type: ignore[attr-defined]
+            while (response := await _unless_master_moves(call.read(), moved, first.queue.queue)) is not grpc.aio.EOF:  # type: ignore[attr-defined]
                 yield response
         except Refused as refused:
             await context.abort(refused.code, refused.details)
         except grpc.aio.AioRpcError as error:
             await context.abort(error.code(), error.details() or "")
         finally:
+            moved.cancel()
             pumping.cancel()
             call.cancel()
 
@@ -567,8 +561,20 @@ class _ForwardedStream:
 
     def __init__(self) -> None:
         self.call: Any = None
-        self.master = ""  # the node relayed to
+        self.moved: asyncio.Future[str] | None = None  # completes when the master relayed to moves
         self.lock = asyncio.Lock()
+
+
+async def _unless_master_moves(reply: Awaitable[_T], moved: asyncio.Future[str], queue: str) -> _T:
+    """`reply` from the master's node, unless its master moves first: then the client is told to retry,
+    and resends to the new master."""
+    answered = asyncio.ensure_future(reply)
+    racing: set[asyncio.Future[Any]] = {answered, moved}
+    await asyncio.wait(racing, return_when=asyncio.FIRST_COMPLETED)
+    if answered.done():
+        return answered.result()
+    answered.cancel()
+    raise Refused(grpc.StatusCode.UNAVAILABLE, f"queue {queue!r}: its master moved to {moved.result()}; retry")
 
 
 def _publish_problem(request: queue_pb2.PublishRequest) -> str | None:
