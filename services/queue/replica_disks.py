@@ -24,7 +24,7 @@ import shutil
 from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from services.coordinator.metadata import QueueRecord
 from services.gm.member import MemberEvent, MemberShell
@@ -107,27 +107,21 @@ class ReplicaDisks:
     _log_start: asyncio.Future[None] | None
     _tasks: set[asyncio.Future[None]]
 
-    # QueueReplica's, used here.
-    def _spawn(self, coroutine: Awaitable[None]) -> None:
-        raise NotImplementedError
+    if TYPE_CHECKING:  # QueueReplica's, used here
 
-    def _say(self, said: MirrorSays) -> None:
-        raise NotImplementedError
+        def _spawn(self, coroutine: Awaitable[None]) -> None: ...
 
-    async def _update(self, change: Callable[[QueueRecord], QueueRecord | None]) -> None:
-        raise NotImplementedError
+        def _say(self, said: MirrorSays) -> None: ...
 
-    async def _start_mirroring(self) -> None:
-        raise NotImplementedError
+        async def _update(self, change: Callable[[QueueRecord], QueueRecord | None]) -> None: ...
 
-    def _carry_out(self, step: Step) -> Awaitable[None]:
-        raise NotImplementedError
+        async def _start_mirroring(self) -> None: ...
 
-    async def _depth_reports(self) -> None:
-        raise NotImplementedError
+        def _carry_out(self, step: Step) -> Awaitable[None]: ...
 
-    def on_record(self, record: QueueRecord) -> None:
-        raise NotImplementedError
+        async def _depth_reports(self) -> None: ...
+
+        def on_record(self, record: QueueRecord) -> None: ...
 
     @property
     def replicates_messages(self) -> bool:
