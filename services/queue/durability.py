@@ -53,6 +53,10 @@ class Position:
     def encode(self) -> str:
         return f"{self.epoch}.{self.seq}"
 
+    def mark(self) -> bytes:
+        """As a message log's mark."""
+        return self.encode().encode()
+
     @classmethod
     def decode(cls, text: str | bytes) -> Position:
         """The position `encode` wrote; the lowest position for anything else (an empty mark, garbage)."""
@@ -140,13 +144,14 @@ def persist_reports(log: MessageLog, reports: Iterable[Report]) -> bool:
     return appended
 
 
-def write_holdings(log: MessageLog, messages: Mapping[int, Message], position: Position) -> None:
-    """Append what a replica holds to a fresh `log`: its persistent messages in id order, then `position`."""
-    for message_id in sorted(messages):
-        message = messages[message_id]
-        if message.persistent:
-            log.append_enqueue(message_id, wire.message_to_proto(message).SerializeToString())
-    log.append_mark(position.encode().encode())
+def persistent_holdings(messages: Mapping[int, Message]) -> list[Message]:
+    """What of a replica's messages belongs in its log: the persistent ones, in id order."""
+    return [messages[message_id] for message_id in sorted(messages) if messages[message_id].persistent]
+
+
+def append_enqueues(log: MessageLog, messages: Iterable[Message]) -> None:
+    for message in messages:
+        log.append_enqueue(message.id, wire.message_to_proto(message).SerializeToString())
 
 
 def contents_from_log(log: MessageLog) -> QueueContents:

@@ -609,7 +609,7 @@ class QueueReplica(ReplicaDisks):
             if self.log is None:
                 self._write_holdings_to_new_log(self.master.contents, Position(self.epoch, 0))
             else:
-                self.log.append_mark(Position(self.epoch, 0).encode().encode())
+                self.log.append_mark(Position(self.epoch, 0).mark())
             assert self.committer is not None
             await self.committer.commit()
         if not self.replicates_messages:

@@ -28,15 +28,15 @@ from typing import TYPE_CHECKING, Protocol
 
 from services.coordinator.metadata import QueueRecord
 from services.gm.member import MemberEvent, MemberShell
-from services.queue import wire
 from services.queue.contents import QueueContents
 from services.queue.durability import (
     PersistedWaits,
     Position,
+    append_enqueues,
     contents_from_log,
     elect,
     persist_reports,
-    write_holdings,
+    persistent_holdings,
 )
 from services.queue.group_commit import GroupCommitter
 from services.queue.master import Publish, QueueLimits, QueueMaster, Step
@@ -146,7 +146,7 @@ class ReplicaDisks:
         self._open_log(fresh=False)
         assert self.log is not None
         self.epoch = Position.decode(self.log.mark()).epoch + 1
-        self.log.append_mark(Position(self.epoch, 0).encode().encode())
+        self.log.append_mark(Position(self.epoch, 0).mark())
         contents = contents_from_log(self.log)
         if contents.messages:
             log.info("queue %s: recovered %d messages from disk", self.record.name, len(contents.messages))
@@ -180,7 +180,8 @@ class ReplicaDisks:
         mirror that had none); the caller commits it."""
         self._open_log(fresh=True)
         assert self.log is not None
-        write_holdings(self.log, contents.messages, position)
+        append_enqueues(self.log, persistent_holdings(contents.messages))
+        self.log.append_mark(position.mark())
 
     def _start_mirror_log(self, said: Synchronised) -> None:
         """A mirror of a durable queue just became synchronised: write what it holds into a new log, a
@@ -188,8 +189,7 @@ class ReplicaDisks:
         wait in `log_backlog` and follow in order; then say it is synchronised."""
         mirror = self.mirror
         assert mirror is not None
-        messages = mirror.contents.messages
-        holdings = [messages[message_id] for message_id in sorted(messages) if messages[message_id].persistent]
+        holdings = persistent_holdings(mirror.contents.messages)
         self.log_backlog = []
         task = asyncio.ensure_future(self._write_mirror_log(holdings, said))
         self._log_start = task
@@ -204,13 +204,12 @@ class ReplicaDisks:
         written = False
         try:
             for start in range(0, len(holdings), HOLDINGS_CHUNK):
-                for message in holdings[start : start + HOLDINGS_CHUNK]:
-                    new_log.append_enqueue(message.id, wire.message_to_proto(message).SerializeToString())
+                append_enqueues(new_log, holdings[start : start + HOLDINGS_CHUNK])
                 await asyncio.sleep(0)
                 if self.mirror is None or not self.mirror.synchronised:
                     return  # promoted meanwhile (the promotion waits for this), or desynchronised
             persist_reports(new_log, self.log_backlog or ())
-            new_log.append_mark(Position(self.epoch, self.applied_seq).encode().encode())
+            new_log.append_mark(Position(self.epoch, self.applied_seq).mark())
             written = True
         finally:
             self.log_backlog = None
@@ -324,7 +323,7 @@ class ReplicaDisks:
         self.log = recovered
         self.committer = GroupCommitter(recovered)
         self.epoch = Position.decode(recovered.mark()).epoch + 1
-        recovered.append_mark(Position(self.epoch, 0).encode().encode())
+        recovered.append_mark(Position(self.epoch, 0).mark())
         await self.committer.commit()
         contents = contents_from_log(recovered)
         self.master = QueueMaster(self.record.name, contents, self.limits, self.epoch)
@@ -352,7 +351,7 @@ class ReplicaDisks:
         """Mark how far the log goes, make it durable, then tell the master."""
         if self.log is None:
             return
-        self.log.append_mark(Position(self.epoch, self.applied_seq).encode().encode())
+        self.log.append_mark(Position(self.epoch, self.applied_seq).mark())
         self._spawn(self._commit_mirror_log(self.applied_from, self.applied_seq))
 
     async def _commit_mirror_log(self, master: str, through_seq: int) -> None:
