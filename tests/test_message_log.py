@@ -163,6 +163,14 @@ def test_a_mark_is_short(log: MessageLog) -> None:
     assert log.mark() == b"x" * MAX_MARK_BYTES
 
 
+def test_a_remove_says_how_many_were_live(log: MessageLog) -> None:
+    log.append_enqueue(1, b"one")
+    log.append_enqueue(2, b"two")
+    assert log.append_remove([1, 3]) == 1  # 3 was never enqueued
+    assert log.append_remove([1]) == 0  # already removed
+    assert log.append_remove([2]) == 1
+
+
 def test_removes(opener: Opener, log: MessageLog) -> None:
     for message_id in range(1, 7):
         log.append_enqueue(message_id, payload_for(message_id))

@@ -89,8 +89,10 @@ class FakeLog:
     def append_enqueue(self, message_id: int, data: bytes) -> None:
         self.live.add(message_id)
 
-    def append_remove(self, ids: tuple[int, ...]) -> None:
-        self.live.difference_update(ids)
+    def append_remove(self, ids: tuple[int, ...]) -> int:
+        removed = self.live.intersection(ids)
+        self.live -= removed
+        return len(removed)
 
     def append_mark(self, mark: bytes) -> None:
         pass

@@ -138,9 +138,7 @@ def persist_reports(log: MessageLog, reports: Iterable[Report]) -> bool:
             log.append_enqueue(report.message.id, wire.message_to_proto(report.message).SerializeToString())
             appended = True
         elif isinstance(report, Settle | Discard):
-            live = log.live_count()
-            log.append_remove(report.ids)
-            appended = appended or log.live_count() != live
+            appended = log.append_remove(report.ids) > 0 or appended
     return appended
 
 

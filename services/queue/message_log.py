@@ -216,8 +216,8 @@ class MessageLog(Protocol):
         """Buffer the enqueue of a message; `message_id` must exceed every id enqueued before."""
         ...
 
-    def append_remove(self, message_ids: Iterable[int]) -> None:
-        """Buffer the removal of messages; ids that are not live are ignored."""
+    def append_remove(self, message_ids: Iterable[int]) -> int:
+        """Buffer the removal of messages; ids that are not live are ignored. Returns how many were live."""
         ...
 
     def flush(self) -> None:
@@ -297,7 +297,7 @@ class MemoryMessageLog:
             self._live.add(message_id)
             self._pending.append((message_id, data))
 
-    def append_remove(self, message_ids: Iterable[int]) -> None:
+    def append_remove(self, message_ids: Iterable[int]) -> int:
         with self._lock:
             self._check_open()
             known: list[int] = []
@@ -307,6 +307,7 @@ class MemoryMessageLog:
                     known.append(message_id)
             if known:
                 self._pending.append(known)
+            return len(known)
 
     def flush(self) -> None:
         with self._lock:
@@ -483,7 +484,7 @@ class FileMessageLog:
             self._live.add(message_id)
             self._pending.append(_Pending(record, message_id, []))
 
-    def append_remove(self, message_ids: Iterable[int]) -> None:
+    def append_remove(self, message_ids: Iterable[int]) -> int:
         with self._lock:
             self._check_usable()
             known: list[int] = []
@@ -494,6 +495,7 @@ class FileMessageLog:
             for start in range(0, len(known), _MAX_IDS_PER_RECORD):
                 chunk = known[start : start + _MAX_IDS_PER_RECORD]
                 self._pending.append(_Pending(_remove_record(chunk), 0, chunk))
+            return len(known)
 
     def flush(self) -> None:
         with self._flush_lock:
