@@ -24,7 +24,8 @@ The contract (`MessageLog`):
   than every id enqueued before it (even removed ones); after reopening, the
   first id must be greater than every recovered id. Enqueue order is therefore
   id order. Removing an id that is not live (unknown, already removed) is a
-  no-op. `live_count` counts every appended operation, flushed or not.
+  no-op (`append_remove` returns how many were live). `live_count` counts every
+  appended operation, flushed or not.
 - `close` does not flush: anything appended since the last flush is dropped,
   exactly as in a crash.
 - A *mark* is a short opaque value the owner appends with its operations
