@@ -136,6 +136,7 @@ def queue_to_proto(queue: QueueRecord) -> coordinator_pb2.QueueRecord:
         gm_group=queue.gm_group,
         replication=REPLICATION_TO_PROTO.get(queue.replication, coordinator_pb2.REPLICATION_LEVEL_UNSPECIFIED),
         recovery_positions=dict(queue.recovery_positions),
+        master_epoch=queue.master_epoch,
         version=queue.version,
     )
 
@@ -157,6 +158,7 @@ def queue_from_proto(pb: coordinator_pb2.QueueRecord) -> QueueRecord:
         gm_group=pb.gm_group,
         replication=REPLICATION_FROM_PROTO.get(pb.replication, "all"),
         recovery_positions=dict(pb.recovery_positions),
+        master_epoch=pb.master_epoch,
         version=pb.version,
     )
 

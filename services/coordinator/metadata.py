@@ -70,6 +70,8 @@ class QueueRecord:
     # node -> "EPOCH.SEQ": how far the log of each replica that came back goes, while
     # the master's node is away (services/queue/durability.py); empty otherwise.
     recovery_positions: Mapping[str, str] = field(default_factory=dict)
+    # The current master's term: raised by one, by compare-and-set, at every change of master.
+    master_epoch: int = 0
     version: int = 0
 
     @property
@@ -110,6 +112,7 @@ def queue_from_record(record: Record) -> QueueRecord:
         gm_group=v["gm_group"],
         replication=v["replication"],
         recovery_positions=dict(v.get("recovery_positions", {})),
+        master_epoch=int(v.get("master_epoch", 0)),
         version=record.version,
     )
 
