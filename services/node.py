@@ -151,12 +151,16 @@ class Node:
 
     def _new_view(self, group_name: str, group: Group) -> None:
         member = self.members.get(group_name)
-        if member is None or not member.joined.is_set() or member.stopped is not None:
-            return  # a member still joining reads the table itself
+        if member is None or member.stopped is not None:
+            return
 
         def adopt(core: RingMember) -> list[Action]:
             if core.view is None or group.version <= core.view.version:
                 return []
+            if core.publishers is None and core.id not in core.view.known:
+                return []  # still choosing whom to join through: it reads the table itself
+            # A newcomer already added (waiting for its adder's Catchup) must see new views too: if its
+            # adder died meanwhile, it abandons the join and rejoins (services/gm/ring.py, hard case 2).
             return core.on_group(group)
 
         member.post(adopt)

@@ -7,7 +7,16 @@ import random
 
 import pytest
 
-from services.queue.master import GET_CONSUMER, Publish, PublishOutcome, QueueError, QueueLimits, QueueMaster, Step
+from services.queue.master import (
+    EPOCH_ID_SHIFT,
+    GET_CONSUMER,
+    Publish,
+    PublishOutcome,
+    QueueError,
+    QueueLimits,
+    QueueMaster,
+    Step,
+)
 from services.queue.mirror import QueueMirror
 from services.queue.ops import Depth, Desynchronised, Report, Synchronised, SyncRequest
 
@@ -118,7 +127,9 @@ def test_a_retried_publish_is_dropped_even_after_promotion() -> None:
     new_master, _ = q.mirrors[0].promote(QueueLimits(), 1)
     _, outcomes = new_master.publish([Publish(b"c", "p1", 3), Publish(b"d", "p1", 4)], 0)
     assert outcomes == [PublishOutcome.DUPLICATE, PublishOutcome.ACCEPTED]
-    assert new_master.contents.messages[max(new_master.contents.messages)].id == 4, "ids carry on"
+    newest = max(new_master.contents.messages)
+    assert newest == 1 << EPOCH_ID_SHIFT, "a new term numbers its messages from its epoch up"
+    assert all(message_id < newest for message_id in q.master.contents.messages), "ids keep growing"
 
 
 def test_max_length_drops_the_head_to_the_dead_letter_queue() -> None:

@@ -94,6 +94,14 @@ Hard cases (each is a test in tests/sim)
    seen come back; members pass on acknowledgements even when not news, and
    a duplicate dies at the owner like any other.
 
+7. A link between two live neighbours breaks: frames in flight are lost, and
+   frames queued meanwhile reach the right neighbour on the new connection
+   *before* the Catchup the left re-sends on reconnecting (the link layer
+   calls `resend_catchup`). The right then sees a gap in a publisher's run
+   from its own left. That is lost frames, not a broken protocol: it drops
+   everything from the left until the Catchup, which covers all of it
+   (tests/sim/queue_sim.py cuts links between live members).
+
 Invariants (asserted by the simulator after every step)
 -------------------------------------------------------
 - Every dead member in a view is inherited by exactly one live member.
@@ -213,6 +221,8 @@ class RingMember:
         self._buffer_bytes = 0
         # True once a Catchup from the current left was processed (or alone).
         self._caught_up = False
+        # Frames from the left were lost (hard case 7): its messages are dropped until its Catchup.
+        self._lost_from_left = False
         self._deferred: list[RingMessage] = []
         # Messages that arrived before our starting state, replayed after it.
         self._early: list[RingMessage] = []
@@ -551,10 +561,30 @@ class RingMember:
         if me is None or message.sender != me.left:
             return []  # Hard case 3: not from my left.
         if isinstance(body, Catchup):
+            self._lost_from_left = False
             return self._handle_catchup(body)
-        if not body.entries:
+        if not body.entries or self._lost_from_left:
+            return []
+        if self._has_gap(body.entries):
+            self._lost_from_left = True  # hard case 7: its Catchup follows
             return []
         return self._handle_activity(body.entries)
+
+    def _has_gap(self, entries: list[PublisherActivity]) -> bool:
+        """Does an entry start past what this member holds of its publisher (frames lost on the link)?"""
+        assert self.publishers is not None
+        for entry in entries:
+            if not entry.pubs:
+                continue
+            state = self.publishers.get(entry.publisher)
+            if self._owns(entry.publisher):
+                pending = state.pending if state is not None else None
+                last = entry.first_seq + len(entry.pubs) - 1
+                if pending is not None and len(pending) and last >= pending.first_seq < entry.first_seq:
+                    return True
+            elif entry.first_seq > (state.last_pub if state is not None else 0) + 1:
+                return True
+        return False
 
     def _adopt_catchup(self, catchup: Catchup, sender: str) -> list[Action]:
         view = self.view

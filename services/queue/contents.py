@@ -11,6 +11,10 @@ Guarantees:
 - A report about a message this replica never had is ignored: a mirror that
   joined late starts empty and catches up as the old head is consumed (or by
   sync), never with a hole in the middle.
+- A sync batch covers a range of ids: once the target applied it, it holds in
+  that range exactly what the master held there at that point of its report
+  stream (what it restored from its own log and the master no longer holds is
+  dropped), so a mirror that kept its log catches up without starting over.
 - Publisher sequence numbers are remembered per publisher (every one seen:
   all up to a contiguous watermark, and the few above it), so whichever
   replica becomes master drops a retried publish as a duplicate, and never
@@ -20,6 +24,7 @@ Guarantees:
 
 from __future__ import annotations
 
+import bisect
 import heapq
 from collections.abc import Iterable, Iterator
 
@@ -76,6 +81,11 @@ class QueueContents:
         self.first_enqueued_id = 0
         self.bytes = 0
         self.master_depth: int | None = None
+        # Ids restored from a log (`restore`), ascending: the only ones a sync batch may have to drop.
+        self.restored: list[int] = []
+        # Counts every persistent message added or removed: a replica compares it before and after
+        # applying reports to know, without looking at each message, whether its log must change.
+        self.persistent_changes = 0
 
     # ----------------------------------------------------------------- views
 
@@ -98,6 +108,21 @@ class QueueContents:
     def ready_ids(self) -> Iterator[int]:
         """Ready ids, in delivery order."""
         return iter(sorted(self._ready))
+
+    def held_ranges(self, below_id: int, max_ranges: int) -> tuple[int, ...]:
+        """The ids below `below_id` (0: every id) held here, as inclusive ranges flattened
+        into pairs; () if there are more than `max_ranges` ranges (the master then sends
+        every body, which costs the network, not correctness)."""
+        ids = sorted(i for i in self.messages if below_id == 0 or i < below_id)
+        flat: list[int] = []
+        for message_id in ids:
+            if flat and flat[-1] == message_id - 1:
+                flat[-1] = message_id
+            else:
+                if len(flat) // 2 == max_ranges:
+                    return ()
+                flat += (message_id, message_id)
+        return tuple(flat)
 
     def is_duplicate(self, publisher: str, seq: int) -> bool:
         seen = self.publishers.get(publisher)
@@ -127,20 +152,58 @@ class QueueContents:
         elif isinstance(report, Depth):
             self.master_depth = report.depth
         elif isinstance(report, SyncBatch):
-            for message in report.ready:
-                if message.id not in self.messages:
-                    self._add(message, ready=True)
-            for message in report.unacked:
-                if message.id not in self.messages:
-                    self._add(message, ready=False)
+            self._apply_sync_batch(report)
         elif isinstance(report, SyncDone):
             pass  # the mirror's business (services/queue/mirror.py)
+
+    def restore(self, messages: Iterable[Message]) -> None:
+        """Load messages kept in a log before a restart, in id order (ready). They are
+        not "received live": `first_enqueued_id` stays as it was."""
+        for message in messages:
+            self._add(message, ready=True)
+            self.restored.append(message.id)
+        self.restored.sort()
+
+    def unverify(self) -> None:
+        """Everything held here is to be checked against a new master's (a master that recovered from
+        a log, not one promoted from this replica's peers): a full sync may drop any of it."""
+        self.restored = sorted(self.messages)
+        self.first_enqueued_id = 0
+
+    def _apply_sync_batch(self, batch: SyncBatch) -> None:
+        """The target of a sync batch: hold exactly the batch's messages in its range,
+        in the batch's states."""
+        ready_ids = [m.id for m in batch.ready]
+        ready_ids.extend(batch.kept_ready)
+        unacked_ids = [m.id for m in batch.unacked]
+        unacked_ids.extend(batch.kept_unacked)
+        if batch.covers_below_id:
+            named = {*ready_ids, *unacked_ids}
+            restored = self.restored
+            low = bisect.bisect_left(restored, batch.covers_from_id)
+            high = bisect.bisect_left(restored, batch.covers_below_id)
+            self._remove([i for i in restored[low:high] if i not in named])
+            del restored[low:high]
+        for message in batch.ready:
+            self._add(message, ready=True)
+        for message in batch.unacked:
+            self._add(message, ready=False)
+        for message_id in ready_ids:
+            if message_id in self.unacked:
+                self.unacked.discard(message_id)
+                self._make_ready(message_id)
+        for message_id in unacked_ids:
+            if message_id in self._ready:
+                self._ready.discard(message_id)
+                self.unacked.add(message_id)
 
     def _add(self, message: Message, ready: bool) -> None:
         if message.id in self.messages:
             return
         self.messages[message.id] = message
         self.bytes += len(message.body)
+        if message.persistent:
+            self.persistent_changes += 1
         if message.id > self.max_id:
             self.max_id = message.id
         if message.publisher and message.publisher_seq > 0:
@@ -163,5 +226,7 @@ class QueueContents:
             if message is None:
                 continue
             self.bytes -= message.size
+            if message.persistent:
+                self.persistent_changes += 1
             self._ready.discard(message_id)
             self.unacked.discard(message_id)

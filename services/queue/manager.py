@@ -31,9 +31,13 @@ from services.gm.member import MemberEvent, MemberShell
 from services.queue.master import Publish, QueueError, QueueMaster
 from services.queue.metrics import QueueMetrics
 from services.queue.replica import QueueReplica
+from services.queue.replica_core import ReplicaTimers
 
 log = logging.getLogger("ringq.queues")
 QueueKey = tuple[str, str]
+# A replica that stopped is recreated after this long, doubling up to the maximum while it keeps stopping.
+RECREATE_AFTER_S = 0.5
+RECREATE_AFTER_MAX_S = 30.0
 
 
 class QueueNode(Protocol):
@@ -52,7 +56,9 @@ class QueueManager:
     ) -> None:
         self.node = node
         self.data_dir = data_dir
-        self.recovery_wait_s = recovery_wait_s
+        self.timers = ReplicaTimers(recovery_wait_ms=int(recovery_wait_s * 1000))
+        self._recreate_after: dict[QueueKey, float] = {}
+        self._started_at: dict[QueueKey, float] = {}
         self.node_id = node.id
         self.coordinator = coordinator
         self.replicas: dict[QueueKey, QueueReplica] = {}
@@ -135,13 +141,15 @@ class QueueManager:
         self._starting[key] = future
         try:
             replica = QueueReplica(self, record)
+            self._started_at[key] = asyncio.get_running_loop().time()
             await replica.start()
             self.replicas[key] = replica
             future.set_result(replica)
             return replica
         except Exception as error:
-            log.warning("queue %s: replica did not start: %r", record.name, error)
+            log.warning("queue %s: replica did not start: %r; trying again", record.name, error)
             future.set_result(None)
+            self._recreate_later(record)
             return None
         finally:
             del self._starting[key]
@@ -158,6 +166,34 @@ class QueueManager:
         while self.masters.get(key, master) == master:
             await self._master_moved.wait()
         return self.masters.get(key, "")
+
+    def replica_stopped(self, replica: QueueReplica) -> None:
+        """A replica stopped by itself: recreate it (with back-off) if the record still places it here."""
+        key = (replica.record.vhost, replica.record.name)
+        if self.replicas.get(key) is not replica:
+            return
+        del self.replicas[key]
+        self._recreate_later(replica.record)
+
+    def _recreate_later(self, record: QueueRecord) -> None:
+        key = (record.vhost, record.name)
+        loop = asyncio.get_running_loop()
+        if loop.time() - self._started_at.get(key, 0.0) > RECREATE_AFTER_MAX_S:
+            self._recreate_after.pop(key, None)  # it ran a good while: start the back-off over
+        delay = self._recreate_after.get(key, RECREATE_AFTER_S)
+        self._recreate_after[key] = min(delay * 2, RECREATE_AFTER_MAX_S)
+        self._spawn(self._recreate(record, delay))
+
+    async def _recreate(self, record: QueueRecord, delay: float) -> None:
+        await asyncio.sleep(delay)
+        try:
+            current = await self.coordinator.get_queue(record.vhost, record.name)
+        except grpc.aio.AioRpcError as error:
+            log.info("queue %s: not recreated yet (%s)", record.name, error.code().name)
+            self._recreate_later(record)
+            return
+        if await self.ensure(current) is not None:
+            log.info("queue %s: its replica on %s was recreated", record.name, self.node_id)
 
     def local(self, vhost: str, name: str) -> QueueReplica | None:
         return self.replicas.get((vhost, name))

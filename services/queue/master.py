@@ -21,6 +21,7 @@ delivery tag is refused without changing anything.
 
 from __future__ import annotations
 
+import bisect
 import enum
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -30,6 +31,12 @@ from services.queue.contents import QueueContents
 from services.queue.ops import Deliver, Depth, Discard, Enqueue, Message, Report, Requeue, Settle, SyncBatch, SyncDone
 
 SYNC_BATCH_MESSAGES = 1000
+# A master numbers its messages from `epoch << EPOCH_ID_SHIFT` up (or past the highest id it holds), so
+# a new term never reuses the id of a message an earlier term acknowledged: a mirror that kept its log
+# from an earlier term can then tell every message apart by id. 2**40 ids per term, 2**23 terms.
+EPOCH_ID_SHIFT = 40
+# The top of the range a full sync covers: every id a mirror restored from its log.
+ALL_IDS = (1 << 64) - 1
 
 
 class QueueError(Exception):
@@ -138,6 +145,20 @@ class _Consumer:
 GET_CONSUMER = ""  # basic.get deliveries awaiting ack are held under this pseudo consumer
 
 
+@dataclass
+class _SyncPlan:
+    """What is left to send one syncing mirror."""
+
+    pending: list[int]  # ids still to send, newest first
+    below_id: int  # the top of the next batch's range
+    have: tuple[int, ...]  # what the mirror holds already: inclusive ranges, flattened
+
+    def holds(self, message_id: int) -> bool:
+        index = bisect.bisect_right(self.have, message_id)
+        # Inside a range if it falls after a range's first id (odd index) or on a range's last id.
+        return index % 2 == 1 or (index > 0 and self.have[index - 1] == message_id)
+
+
 class QueueMaster:
     """Decides for one queue; `contents` is shared with nothing else."""
 
@@ -148,9 +169,9 @@ class QueueMaster:
         self.epoch = epoch  # this master's term, carried by its depth reports (services/queue/durability.py)
         self.contents = contents if contents is not None else QueueContents()
         self.limits = limits or QueueLimits()
-        self.next_id = self.contents.max_id + 1
+        self.next_id = max(self.contents.max_id + 1, epoch << EPOCH_ID_SHIFT)
         self._consumers: dict[str, _Consumer] = {GET_CONSUMER: _Consumer(GET_CONSUMER, 0, -(2**31))}
-        self._sync: dict[str, list[int]] = {}  # target -> ids still to send, newest first
+        self._sync: dict[str, _SyncPlan] = {}
 
     # -------------------------------------------------------------- publish
 
@@ -347,10 +368,12 @@ class QueueMaster:
 
     # ------------------------------------------------------------------ sync
 
-    def start_sync(self, target: str, below_id: int) -> None:
-        """A mirror lacks every message older than `below_id` (0: everything)."""
+    def start_sync(self, target: str, below_id: int, have: tuple[int, ...] = ()) -> None:
+        """A mirror lacks every message older than `below_id` (0: everything), holds
+        those in `have` already (inclusive ranges, flattened) and is sent the rest."""
         ids = [i for i in self.contents.messages if below_id == 0 or i < below_id]
-        self._sync[target] = sorted(ids, reverse=True)  # from the sync point towards the head
+        top = below_id or ALL_IDS
+        self._sync[target] = _SyncPlan(sorted(ids, reverse=True), top, have)  # from the sync point towards the head
 
     def cancel_sync(self, target: str) -> bool:
         return self._sync.pop(target, None) is not None
@@ -361,23 +384,44 @@ class QueueMaster:
 
     def sync_remaining(self) -> dict[str, int]:
         """Per syncing mirror, how many messages are still to be sent to it."""
-        return {target: len(pending) for target, pending in self._sync.items()}
+        return {target: len(plan.pending) for target, plan in self._sync.items()}
 
     def sync_next(self, target: str, batch: int = SYNC_BATCH_MESSAGES) -> Step:
-        """The next batch for `target`, as the master holds those messages now;
-        the last one is followed by SyncDone and a Depth report."""
+        """The next batch for `target`, as the master holds those messages now; each covers
+        the ids from its lowest up to the previous batch's (the last one down to the first
+        id), and the last one is followed by SyncDone and a Depth report."""
         step = Step()
-        pending = self._sync.get(target)
-        if pending is None:
+        plan = self._sync.get(target)
+        if plan is None:
             return step
-        chunk, self._sync[target] = pending[:batch], pending[batch:]
-        messages = self.contents.messages
-        present = [messages[i] for i in chunk if i in messages]
-        ready = tuple(m for m in present if m.id not in self.contents.unacked)
-        unacked = tuple(m for m in present if m.id in self.contents.unacked)
-        if ready or unacked:
-            self._report(SyncBatch(target, ready, unacked), step)
-        if not self._sync[target]:
+        chunk, plan.pending = plan.pending[:batch], plan.pending[batch:]
+        covers_from = chunk[-1] if plan.pending else 1
+        messages, unacked = self.contents.messages, self.contents.unacked
+        ready: list[Message] = []
+        held_back: list[Message] = []
+        kept_ready: list[int] = []
+        kept_unacked: list[int] = []
+        for message_id in chunk:
+            message = messages.get(message_id)
+            if message is None:
+                continue
+            if plan.holds(message_id):
+                (kept_unacked if message_id in unacked else kept_ready).append(message_id)
+            else:
+                (held_back if message_id in unacked else ready).append(message)
+        step.reports.append(
+            SyncBatch(
+                target,
+                tuple(ready),
+                tuple(held_back),
+                covers_from,
+                plan.below_id,
+                tuple(kept_ready),
+                tuple(kept_unacked),
+            )
+        )
+        plan.below_id = covers_from
+        if not plan.pending:
             del self._sync[target]
             self._report(SyncDone(target), step)
             self._report(Depth(self.contents.depth, self.epoch), step)

@@ -9,7 +9,8 @@ asking for a sync and absorbing sync batches while the queue keeps working,
 and promotion.
 
 Guarantees: `synchronised` is set only at a Depth report whose depth equals
-this mirror's, and cleared if a later Depth report disagrees (a failed
+this mirror's, once no message restored from its log is left unchecked by a
+sync, and cleared if a later Depth report disagrees (a failed
 operation on this replica: the inconsistent-error rule, it re-syncs); on
 promotion every message pending acknowledgement goes back to the queue as
 redelivered (its consumer was attached to the dead master), and the new
@@ -20,7 +21,20 @@ from __future__ import annotations
 
 from services.queue.contents import QueueContents
 from services.queue.master import QueueLimits, QueueMaster, Step
-from services.queue.ops import Depth, Desynchronised, MirrorSays, Report, Requeue, SyncDone, Synchronised, SyncRequest
+from services.queue.ops import (
+    Depth,
+    Desynchronised,
+    MirrorSays,
+    Report,
+    Requeue,
+    SyncBatch,
+    SyncDone,
+    Synchronised,
+    SyncRequest,
+)
+
+# A sync request names what the mirror holds already in at most this many id ranges (else none).
+MAX_HELD_RANGES = 4096
 
 
 class QueueMirror:
@@ -35,9 +49,14 @@ class QueueMirror:
 
     def apply(self, report: Report) -> list[MirrorSays]:
         """Apply one report of the master; returns what to tell the master, if anything."""
+        if isinstance(report, SyncBatch) and report.target != self.member:
+            return []  # another mirror's sync: this one holds what it holds
         self.contents.apply(report)
         if isinstance(report, Depth):
-            in_sync = self.contents.depth == report.depth
+            # Equal depths prove equal contents only for a mirror that can lack nothing but the oldest
+            # messages: one still holding messages restored from its log that no sync batch has covered
+            # yet could match the master's depth with different ones (found by tests/sim, seed 626).
+            in_sync = self.contents.depth == report.depth and not self.contents.restored
             if not self.member:
                 return []  # not joined yet: its announcement would name nobody; the next report counts
             if in_sync and not self.synchronised:
@@ -62,9 +81,12 @@ class QueueMirror:
         return [*said, SyncRequest(self.member, 0)]
 
     def request_sync(self) -> SyncRequest:
-        """Ask for every message older than the first this mirror received."""
+        """Ask for every message older than the first this mirror received live, naming those
+        it holds already (restored from its log)."""
         self.sync_requested = True
-        return SyncRequest(self.member, self.contents.first_enqueued_id)
+        below_id = self.contents.first_enqueued_id
+        held = self.contents.held_ranges(below_id, MAX_HELD_RANGES) if self.contents.restored else ()
+        return SyncRequest(self.member, below_id, held)
 
     def promote(self, limits: QueueLimits, epoch: int) -> tuple[QueueMaster, Step]:
         """Become the master of term `epoch`: requeue what was pending acknowledgement, announce the depth."""

@@ -92,11 +92,21 @@ class Depth:
 @dataclass(frozen=True, slots=True)
 class SyncBatch:
     """Messages a syncing mirror lacks, as the master holds them now: `ready`
-    ones and ones pending acknowledgement (`unacked`)."""
+    ones and ones pending acknowledgement (`unacked`).
+
+    The batch covers the ids from `covers_from_id` up to (not including)
+    `covers_below_id`: once applied, the target holds exactly the batch's
+    messages in that range (it drops any other it held there), in the state
+    the master holds them in. `kept_ready` / `kept_unacked` name, without their
+    bodies, the ids the target said it already holds (SyncRequest.have)."""
 
     target: str
     ready: tuple[Message, ...]
     unacked: tuple[Message, ...]
+    covers_from_id: int = 0
+    covers_below_id: int = 0
+    kept_ready: tuple[int, ...] = ()
+    kept_unacked: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,10 +121,14 @@ class SyncDone:
 
 @dataclass(frozen=True, slots=True)
 class SyncRequest:
-    """A mirror lacks every message older than `below_id` and asks for them."""
+    """A mirror lacks every message older than `below_id` (0: every message) and asks
+    for them; `have` lists, as inclusive ranges flattened into pairs, the ids below
+    `below_id` it already holds (a log kept from before a restart), which the master
+    then names without their bodies."""
 
     member: str
     below_id: int
+    have: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,4 +159,14 @@ class Persisted:
     through_seq: int
 
 
-MirrorSays = SyncRequest | Synchronised | Desynchronised | Persisted
+@dataclass(frozen=True, slots=True)
+class Noticed:
+    """A mirror tells the master of something noteworthy (its log damaged, its disk
+    failed or came back), for the queue's events; `kind` is a QueueEvent kind."""
+
+    member: str
+    kind: str
+    detail: str
+
+
+MirrorSays = SyncRequest | Synchronised | Desynchronised | Persisted | Noticed

@@ -216,7 +216,11 @@ class QueueServicer(queue_pb2_grpc.QueueServiceServicer):
             consumers=len(master.consumer_tags) if master else 0,
             policy=record.policy,
             syncing=master.syncing if master else [],
-            status="; ".join([replica.status, *replica.events]),
+            status=replica.status,
+            events=[
+                queue_pb2.QueueEvent(time_unix_ms=e.time_ms, kind=e.kind, node=e.node, detail=e.detail)
+                for e in replica.events
+            ],
         )
 
     # -------------------------------------------------------------- wiring

@@ -18,6 +18,7 @@ from services.queue.ops import (
     Enqueue,
     Message,
     MirrorSays,
+    Noticed,
     Persisted,
     Report,
     Requeue,
@@ -83,17 +84,26 @@ def encode(report: AnyReport) -> bytes:
         out.sync_batch.target = report.target
         out.sync_batch.ready.extend(message_to_proto(m) for m in report.ready)
         out.sync_batch.unacked.extend(message_to_proto(m) for m in report.unacked)
+        out.sync_batch.covers_from_id = report.covers_from_id
+        out.sync_batch.covers_below_id = report.covers_below_id
+        out.sync_batch.kept_ready.extend(report.kept_ready)
+        out.sync_batch.kept_unacked.extend(report.kept_unacked)
     elif isinstance(report, SyncDone):
         out.sync_done = report.target
     elif isinstance(report, SyncRequest):
         out.sync_request.member = report.member
         out.sync_request.below_id = report.below_id
+        out.sync_request.have.extend(report.have)
     elif isinstance(report, Desynchronised):
         out.desynchronised = report.member
     elif isinstance(report, Persisted):
         out.persisted.member = report.member
         out.persisted.master = report.master
         out.persisted.through_seq = report.through_seq
+    elif isinstance(report, Noticed):
+        out.noticed.member = report.member
+        out.noticed.kind = report.kind
+        out.noticed.detail = report.detail
     else:
         out.synchronised = report.member
     return out.SerializeToString()
@@ -120,12 +130,22 @@ def decode(data: bytes) -> AnyReport:
         return Depth(report.depth, report.epoch)
     if kind == "sync_batch":
         batch = report.sync_batch
-        ready = tuple(message_from_proto(m) for m in batch.ready)
-        return SyncBatch(batch.target, ready, tuple(message_from_proto(m) for m in batch.unacked))
+        return SyncBatch(
+            batch.target,
+            tuple(message_from_proto(m) for m in batch.ready),
+            tuple(message_from_proto(m) for m in batch.unacked),
+            batch.covers_from_id,
+            batch.covers_below_id,
+            tuple(batch.kept_ready),
+            tuple(batch.kept_unacked),
+        )
     if kind == "sync_done":
         return SyncDone(report.sync_done)
     if kind == "sync_request":
-        return SyncRequest(report.sync_request.member, report.sync_request.below_id)
+        request = report.sync_request
+        if len(request.have) % 2:
+            raise ValueError("sync_request.have must hold pairs of ids")
+        return SyncRequest(request.member, request.below_id, tuple(request.have))
     if kind == "synchronised":
         return Synchronised(report.synchronised)
     if kind == "desynchronised":
@@ -133,4 +153,6 @@ def decode(data: bytes) -> AnyReport:
     if kind == "persisted":
         said = report.persisted
         return Persisted(said.member, said.master, said.through_seq)
+    if kind == "noticed":
+        return Noticed(report.noticed.member, report.noticed.kind, report.noticed.detail)
     raise ValueError("queue report without a kind")

@@ -1,0 +1,350 @@
+"""The queue replica's decisions (services/queue/replica_core.py), one rule at a time, on the pure core:
+what a confirm waits for, the floor under confirms, what a failing disk does, promotion, recovery and
+the mirror's announcements. tests/sim drives the same core under random faults."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.queue.durability import Claim, Position
+from services.queue.master import EPOCH_ID_SHIFT, Publish, PublishOutcome, QueueError, Settlement
+from services.queue.ops import Depth, Desynchronised, Enqueue, Message, Noticed, Persisted, Synchronised, SyncRequest
+from services.queue.replica_core import (
+    AbandonSteps,
+    AppendToLog,
+    Broadcast,
+    CompleteStep,
+    EndConsumers,
+    FlushLog,
+    LogRecovery,
+    ReleaseConfirms,
+    Role,
+    Stop,
+    WatchDisk,
+    WriteLog,
+)
+from tests.replica_cores import HA, Driven, fresh_master, mirror_of, persistent, record
+
+# ------------------------------------------------------------------ what a confirm waits for
+
+
+def publish(driven: Driven, *bodies: bytes, persistent: bool = True) -> int:
+    step_id, outcomes, effects = driven.core.publish([Publish(b, persistent=persistent) for b in bodies], driven.now)
+    assert outcomes == [PublishOutcome.ACCEPTED] * len(bodies)
+    driven.run(effects)
+    return step_id
+
+
+def confirmed_steps(driven: Driven) -> list[int]:
+    steps = [c.step_id for c in driven.take(CompleteStep) if c.confirmed]
+    return steps + [s for r in driven.take(ReleaseConfirms) for s in r.step_ids]
+
+
+def test_a_persistent_message_waits_for_the_ring_the_masters_disk_and_every_synchronised_mirrors_disk() -> None:
+    driven = fresh_master(synchronised=("node2",))
+    step = publish(driven, b"keep me")
+    driven.confirm_ring()
+    driven.flush_all()
+    assert confirmed_steps(driven) == [], "confirmed before the mirror's disk held it"
+    driven.reports("node2.b", 1, Persisted("node2.b", "node1.old", 99))
+    assert confirmed_steps(driven) == [], "a report about another master's sequence numbers counted"
+    driven.reports("node2.b", 2, Persisted("node2.b", "node1.a", driven.core.next_seq - 1))
+    assert confirmed_steps(driven) == [step]
+
+
+def test_a_transient_message_waits_for_no_disk() -> None:
+    driven = fresh_master(synchronised=("node2",))
+    step = publish(driven, b"passing", persistent=False)
+    assert not driven.take(FlushLog)
+    driven.confirm_ring()
+    assert confirmed_steps(driven) == [step]
+
+
+def test_acknowledgements_are_logged_but_wait_for_no_disk() -> None:
+    """Found by the failover test: every acknowledgement on a durable queue counted as a disk change,
+    so each ack step waited for the mirrors' disks."""
+    driven = fresh_master(synchronised=("node2",))
+    publish(driven, b"a")
+    driven.run(driven.core.consume("c", 0, 0, driven.now))
+    driven.confirm_ring()
+    driven.flush_all()
+    driven.reports("node2.b", 2, Persisted("node2.b", "node1.a", driven.core.next_seq - 1))
+    delivered = [d for c in driven.completed() for d in c.step.deliveries]
+    assert len(delivered) == 1
+    step_id, error, effects = driven.core.settle("c", [Settlement(delivered[0].delivery_tag, False, "ack")], 0)
+    driven.run(effects)
+    assert error is None
+    assert any(isinstance(e, AppendToLog) and e.removed for e in driven.effects)
+    driven.confirm_ring()  # no flush, no mirror disk
+    assert [c.step_id for c in driven.completed()] == [step_id]
+
+
+def test_a_mirror_struck_from_the_record_no_longer_holds_confirms_back() -> None:
+    driven = fresh_master(synchronised=("node2",))
+    step = publish(driven, b"keep me")
+    driven.confirm_ring()
+    driven.flush_all()
+    assert confirmed_steps(driven) == []
+    driven.set_record(mirrors=(), synchronised_mirrors=(), policy_definition={"ha-min-synchronised": 0, **HA})
+    assert confirmed_steps(driven)[0] == step
+
+
+def test_a_mirror_that_says_it_is_synchronised_is_required_at_once_and_marked_once_its_disk_holds_the_past() -> None:
+    driven = fresh_master(definition={"ha-min-synchronised": 0, **HA})
+    first = publish(driven, b"before")
+    driven.confirm_ring()
+    driven.flush_all()
+    assert confirmed_steps(driven) == [first]  # nobody else's disk was required then
+    driven.reports("node2.b", 1, Synchronised("node2.b"))
+    assert driven.record.synchronised_mirrors == (), "marked before its disk held the confirmed message"
+    second = publish(driven, b"after")
+    driven.confirm_ring()
+    driven.flush_all()
+    assert confirmed_steps(driven) == [], "the announced mirror's disk is required already"
+    driven.reports("node2.b", 2, Persisted("node2.b", "node1.a", driven.core.next_seq - 1))
+    assert confirmed_steps(driven) == [second]
+    assert driven.record.synchronised_mirrors == ("node2",)
+
+
+def test_steps_complete_in_the_order_they_were_decided_whatever_they_wait_for() -> None:
+    """Found by the failover test: a step with acks waited for the disk and a later publish step did not,
+    so the later step's deliveries (higher tags) overtook the earlier one's."""
+    driven = fresh_master(definition={"ha-min-synchronised": 0, **HA}, mirrors=(), live=())
+    slow = publish(driven, b"persistent", persistent=True)  # waits for the disk
+    fast = publish(driven, b"transient", persistent=False)  # waits for nothing
+    driven.confirm_ring()
+    assert [c.step_id for c in driven.completed()] == []
+    driven.flush_all()
+    assert [c.step_id for c in driven.completed()] == [slow, fast]
+
+
+def test_broadcasts_are_numbered_in_decision_order() -> None:
+    """Found by the benchmark: steps decided in order but broadcast later from tasks let a depth report
+    overtake a publish, so mirrors saw a depth that disagreed with theirs."""
+    driven = fresh_master(durable=False)
+    publish(driven, b"one", persistent=False)
+    driven.tick(5_000)  # a depth report is due
+    broadcasts = driven.take(Broadcast)
+    assert [type(b.reports[0]) for b in broadcasts] == [Enqueue, Depth]
+    assert broadcasts[1].first_seq == broadcasts[0].first_seq + len(broadcasts[0].reports)
+
+
+def test_a_new_term_never_reuses_a_message_id() -> None:
+    driven = fresh_master(durable=False)
+    publish(driven, b"x", persistent=False)
+    master = driven.core.master
+    assert master is not None
+    assert next(iter(master.core.contents.messages)) == 1 << EPOCH_ID_SHIFT  # epoch 1
+
+
+# ------------------------------------------------------------------ the floor
+
+
+def test_below_ha_min_synchronised_steps_complete_but_confirms_are_held_until_a_mirror_is_marked() -> None:
+    driven = fresh_master(durable=False)  # ha-mode all: the floor is 1 synchronised mirror
+    assert "below ha-min-synchronised" in driven.core.status()
+    step = publish(driven, b"one copy only", persistent=False)
+    driven.confirm_ring()
+    completes = driven.completed()
+    assert [(c.step_id, c.confirmed) for c in completes] == [(step, False)]
+    driven.reports("node2.b", 1, Synchronised("node2.b"))
+    assert driven.record.synchronised_mirrors == ("node2",)
+    assert confirmed_steps(driven) == [step]
+
+
+def test_losing_the_last_synchronised_mirror_holds_confirms_with_an_event() -> None:
+    driven = fresh_master(durable=False, synchronised=("node2",))
+    driven.run(driven.core.on_members_changed([], ["node2.b"], 0))
+    assert any(e.kind == "below_min_synchronised" for e in driven.core.events)
+    step = publish(driven, b"alone", persistent=False)
+    driven.confirm_ring()
+    assert [(c.step_id, c.confirmed) for c in driven.completed()] == [(step, False)]
+
+
+def test_ha_min_synchronised_zero_confirms_alone() -> None:
+    driven = fresh_master(durable=False, definition={"ha-min-synchronised": 0, **HA})
+    step = publish(driven, b"alone", persistent=False)
+    driven.confirm_ring()
+    assert confirmed_steps(driven) == [step]
+
+
+# ------------------------------------------------------------------ disks that fail
+
+
+def test_a_mirror_whose_disk_fails_leaves_the_synchronised_mirrors_once_and_comes_back_when_it_writes() -> None:
+    driven = mirror_of()
+    driven.take(WriteLog)
+    driven.flush_all()
+    assert Synchronised("node2.b") in driven.said()
+    driven.reports("node1.a", 2, persistent(5))
+    assert [m.id for a in driven.take(AppendToLog) for m in a.enqueued] == [5]
+    driven.take(FlushLog)  # this flush fails:
+    failed = driven.run(driven.core.on_disk_failed("No space left on device", 0))
+    assert WatchDisk() in failed
+    said = driven.said()
+    assert Desynchronised("node2.b") in said and any(isinstance(s, Noticed) and s.kind == "disk_failed" for s in said)
+    # It keeps mirroring in memory, failing no more and saying nothing more about its disk.
+    driven.reports("node1.a", 3, persistent(6), persistent(7), Depth(3, 1))
+    assert driven.run(driven.core.on_disk_failed("again", 0)) == []
+    assert not driven.take(WriteLog) and not [s for s in driven.said() if isinstance(s, Synchronised)]
+    assert [e.kind for e in driven.core.events].count("disk_failed") == 1
+    assert "its disk failed" in driven.core.status()
+    # Its disk writes again: it writes what it holds into a fresh log, then says it is synchronised.
+    driven.run(driven.core.on_disk_writable(0))
+    [write] = driven.take(WriteLog)
+    assert write.fresh and [m.id for m in write.messages] == [5, 6, 7]
+    driven.flush_all()
+    assert Synchronised("node2.b") in driven.said()
+    assert "disk_recovered" in [e.kind for e in driven.core.events]
+
+
+def test_a_master_whose_disk_fails_refuses_persistent_publishes_and_holds_what_waited_until_it_writes_again() -> None:
+    driven = fresh_master(definition={"ha-min-synchronised": 0, **HA})
+    waiting = publish(driven, b"in flight")
+    driven.confirm_ring()
+    driven.take(FlushLog)
+    driven.run(driven.core.on_disk_failed("No space left on device", 0))
+    with pytest.raises(QueueError) as refused:
+        driven.core.publish([Publish(b"more", persistent=True)], 0)
+    assert refused.value.code == "RESOURCE_EXHAUSTED" and "disk" in str(refused.value)
+    transient = publish(driven, b"fine", persistent=False)
+    driven.confirm_ring()
+    assert confirmed_steps(driven) == [], "nothing is confirmed past a step that waits for the failed disk"
+    driven.run(driven.core.on_disk_writable(0))
+    [write] = driven.take(WriteLog)
+    assert write.fresh and [m.body for m in write.messages] == [b"in flight"]
+    driven.flush_all()
+    assert confirmed_steps(driven) == [waiting, transient]
+
+
+# ------------------------------------------------------------------ mirrors and masters
+
+
+def test_a_wiring_mirror_that_joined_before_its_master_announces_itself_when_it_hears_it() -> None:
+    """Found by a failing test under load: a wiring mirror said it was synchronised before the master's
+    member joined; the master never heard it and the mirror was never marked."""
+    wiring = {"ha-mode": "all", "replication": "wiring"}
+    driven = Driven("node2", record(replication="wiring", policy_definition=wiring, master_epoch=1))
+    driven.run(driven.core.on_joined("node2.b", ["node2.b"], 0))
+    assert driven.said() == []
+    driven.reports("node1.a", 1, Depth(0, 1))
+    assert driven.said() == [Synchronised("node2.b")]
+
+
+def test_a_mirror_tells_a_promoted_master_how_far_its_disk_goes_in_that_masters_numbers() -> None:
+    """Found by the failover test: a promoted master numbers its reports afresh; a mirror that only said
+    Persisted above the last number it had said left the new master's confirms waiting for ever."""
+    driven = mirror_of(synchronised_mirrors=("node2", "node3"), mirrors=("node3", "node2"))
+    driven.reports("node1.a", 2, Depth(0, 1))
+    driven.flush_all()
+    driven.take(Broadcast)
+    driven.reports("node1.a", 100, persistent(1))
+    driven.flush_all()
+    driven.run(driven.core.on_members_changed(["node3.c"], [], 0))
+    driven.run(driven.core.on_members_changed([], ["node1.a"], 0))  # node3, the eldest, promotes itself
+    driven.set_record(master="node3", master_epoch=2, mirrors=("node2",), synchronised_mirrors=("node2",))
+    driven.reports("node3.c", 3, persistent((2 << EPOCH_ID_SHIFT) + 1), Depth(2, 2))
+    driven.flush_all()
+    said = [s for s in driven.said() if isinstance(s, Persisted)]
+    assert said[0] == Persisted("node2.b", "node1.a", 100)
+    assert said[-1].master == "node3.c" and said[-1].through_seq == 4
+
+
+def test_the_eldest_synchronised_mirror_promotes_itself_by_compare_and_set_and_requeues_what_was_pending() -> None:
+    driven = mirror_of(durable=False, synchronised_mirrors=("node2",))
+    driven.reports("node1.a", 2, Enqueue(Message(1, b"x")), Depth(1, 1))
+    driven.run(driven.core.on_members_changed([], ["node1.a"], 0))
+    assert driven.core.role is Role.MASTER and driven.record.master == "node2"
+    assert driven.record.master_epoch == 2
+    assert any(e.kind == "promoted" for e in driven.core.events)
+
+
+def test_a_master_that_stops_answers_every_step_that_waited() -> None:
+    """Found by the partition test: a persistent publish waiting for the mirrors' disks was never
+    answered when the master's member stopped."""
+    driven = fresh_master(synchronised=("node2",))
+    step = publish(driven, b"keep me")
+    stopped = driven.run(driven.core.on_member_stopped("recorded dead", 0))
+    assert AbandonSteps((step,), "its group member stopped: recorded dead") in stopped
+    assert any(isinstance(e, EndConsumers) for e in stopped) and isinstance(stopped[-1], Stop)
+
+
+def test_a_master_the_record_no_longer_names_stops() -> None:
+    driven = fresh_master(durable=False, synchronised=("node2",))
+    effects = driven.set_record(master="node2", master_epoch=2)
+    assert isinstance(effects[-1], Stop)
+
+
+def test_a_mirror_the_record_lists_again_unmarked_says_it_is_synchronised_again() -> None:
+    driven = mirror_of(durable=False)
+    driven.reports("node1.a", 2, Depth(0, 1))
+    assert Synchronised("node2.b") in driven.said()
+    driven.set_record(mirrors=(), synchronised_mirrors=())
+    driven.set_record(mirrors=("node2",), synchronised_mirrors=())
+    assert driven.said() == [Synchronised("node2.b")]
+
+
+# ------------------------------------------------------------------ recovery
+
+
+def recovered(node: str, position: Position, *messages: Message, damaged: bool = False) -> Driven:
+    recovery = LogRecovery(tuple(messages), Claim(position, damaged), ("a bad record",) if damaged else ())
+    queue = record(master="node1", mirrors=("node2", "node3"), synchronised_mirrors=("node2", "node3"), master_epoch=3)
+    driven = Driven(node, queue, recovery)
+    driven.run(driven.core.on_joined(f"{node}.x", ["node1.x", "node2.x", "node3.x"], 0))
+    return driven
+
+
+def test_a_replica_that_hears_no_master_claims_and_the_one_whose_intact_log_knows_most_recovers() -> None:
+    best = recovered("node2", Position(3, 50), Message(7, b"seven", persistent=True))
+    best.tick(2_000)  # nobody served: it claims
+    assert best.core.role is Role.RECOVERING and best.record.recovery_positions == {"node2": "3.50"}
+    assert "waiting for node1, node3" in best.core.status()
+    # node3's log is damaged, but its intact prefix still goes further than node2's: it wins.
+    best.set_record(recovery_positions={"node1": "3.40", "node2": "3.50", "node3": "3.60 damaged"})
+    assert best.core.expected_winner == ("node3", Claim(Position(3, 60), damaged=True))
+    # Had its damage come earlier, node2 would win.
+    best.set_record(recovery_positions={"node1": "3.40", "node2": "3.50", "node3": "3.45 damaged"})
+    assert best.core.role is Role.MASTER and best.record.master == "node2" and best.record.master_epoch == 4
+    master = best.core.master
+    assert master is not None and list(master.core.contents.messages) == [7]
+    assert master.core.contents.messages[7].delivery_count == 1, "it may have been delivered before"
+
+
+def test_a_damaged_log_that_wins_is_rewritten_fresh_and_reported() -> None:
+    driven = recovered("node1", Position(3, 50), Message(7, b"seven", persistent=True), damaged=True)
+    assert any(e.kind == "log_damaged" for e in driven.core.events)
+    driven.tick(2_000)
+    driven.set_record(recovery_positions={"node1": "3.50 damaged", "node2": "3.10", "node3": "3.20"})
+    assert driven.core.role is Role.MASTER
+    [write] = driven.take(WriteLog)
+    assert write.fresh and [m.id for m in write.messages] == [7]
+
+
+def test_a_loser_whose_log_is_a_prefix_of_the_winners_keeps_it_and_asks_only_for_what_it_lacks() -> None:
+    driven = recovered(
+        "node3", Position(3, 40), Message(7, b"seven", persistent=True), Message(9, b"n", persistent=True)
+    )
+    driven.tick(2_000)
+    driven.set_record(recovery_positions={"node1": "3.50", "node2": "3.45", "node3": "3.40"})
+    assert driven.core.expected_winner == ("node1", Claim(Position(3, 50)))
+    driven.set_record(master="node1", master_epoch=4, synchronised_mirrors=(), recovery_positions={})
+    driven.reports("node1.x", 1, Depth(1, 4))
+    [request] = [s for s in driven.said() if isinstance(s, SyncRequest)]
+    assert request.have == (7, 7, 9, 9)
+
+
+def test_a_loser_from_an_older_term_starts_over() -> None:
+    driven = recovered("node3", Position(2, 400), Message(7, b"seven", persistent=True))
+    driven.tick(2_000)
+    driven.set_record(recovery_positions={"node1": "3.50", "node2": "3.45", "node3": "2.400"})
+    driven.set_record(master="node1", master_epoch=4, synchronised_mirrors=(), recovery_positions={})
+    driven.reports("node1.x", 1, Depth(0, 4))
+    [request] = [s for s in driven.said() if isinstance(s, SyncRequest)]
+    assert request.have == () and driven.core.mirror is not None and not driven.core.mirror.contents.messages
+
+
+def test_a_replica_that_hears_a_serving_master_follows_it_without_claiming() -> None:
+    driven = recovered("node2", Position(3, 50), Message(7, b"seven", persistent=True))
+    driven.reports("node1.x", 70, Depth(1, 3))
+    assert driven.core.role is Role.MIRROR and driven.record.recovery_positions == {}
