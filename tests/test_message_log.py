@@ -305,6 +305,27 @@ def test_appends_from_one_thread_while_another_flushes(opener: Opener, log: Mess
     assert opener.restart(log).recover() == expected
 
 
+def test_live_ids_and_last_id_count_what_was_appended(opener: Opener, log: MessageLog) -> None:
+    assert (log.live_ids(), log.last_id()) == ([], 0)
+    for message_id in (3, 5, 9, 12):
+        log.append_enqueue(message_id, payload_for(message_id))
+    log.append_remove([5, 12])
+    assert (log.live_ids(), log.last_id()) == ([3, 9], 12)  # not flushed yet; a removed id still bounds the next
+    log.flush()
+    log.append_enqueue(20, b"not flushed")
+    assert (log.live_ids(), log.last_id()) == ([3, 9, 20], 20)
+    restarted = opener.restart(log)  # the unflushed 20 is gone; the bound is now the highest recovered id
+    assert (restarted.live_ids(), restarted.last_id()) == ([3, 9], 9)
+    # Bringing the log up to what an owner holds, {3, 10, 11}: remove what it lacks, enqueue above last_id().
+    held = {3: payload_for(3), 10: b"ten", 11: b"eleven"}
+    assert restarted.append_remove(set(restarted.live_ids()) - set(held)) == 1
+    for message_id in sorted(held):
+        if message_id > restarted.last_id():
+            restarted.append_enqueue(message_id, held[message_id])
+    restarted.flush()
+    assert opener.restart(restarted).recover() == list(held.items())
+
+
 # ---------------------------------------------------------------------------------------------- on disk
 
 

@@ -23,9 +23,14 @@ The contract (`MessageLog`):
 - Message ids are positive. Within one open log each enqueued id is greater
   than every id enqueued before it (even removed ones); after reopening, the
   first id must be greater than every recovered id. Enqueue order is therefore
-  id order. Removing an id that is not live (unknown, already removed) is a
-  no-op (`append_remove` returns how many were live). `live_count` counts every
-  appended operation, flushed or not.
+  id order. `last_id()` is that bound: the highest id enqueued in this open
+  log, recovered ones included (0 if none); the next enqueue must be above it.
+  Removing an id that is not live (unknown, already removed) is a no-op
+  (`append_remove` returns how many were live). `live_count` and `live_ids`
+  (ascending) count every appended operation, flushed or not. With them an
+  owner brings an existing log up to what it holds by appending the
+  difference: removes for the ids it no longer holds, enqueues above
+  `last_id()`.
 - `close` does not flush: anything appended since the last flush is dropped,
   exactly as in a crash.
 - A *mark* is a short opaque value the owner appends with its operations
@@ -241,6 +246,14 @@ class MessageLog(Protocol):
         """Messages enqueued and not removed, counting operations not flushed yet."""
         ...
 
+    def live_ids(self) -> list[int]:
+        """The ids enqueued and not removed, counting operations not flushed yet, ascending."""
+        ...
+
+    def last_id(self) -> int:
+        """The highest id enqueued in this open log, recovered ones included (0 if none): the next must exceed it."""
+        ...
+
     def close(self) -> None:
         """Release the log without flushing (what was appended since the last flush is dropped)."""
         ...
@@ -342,6 +355,14 @@ class MemoryMessageLog:
     def live_count(self) -> int:
         with self._lock:
             return len(self._live)
+
+    def live_ids(self) -> list[int]:
+        with self._lock:
+            return sorted(self._live)
+
+    def last_id(self) -> int:
+        with self._lock:
+            return self._last_id
 
     def close(self) -> None:
         with self._lock:
@@ -546,6 +567,14 @@ class FileMessageLog:
     def live_count(self) -> int:
         with self._lock:
             return len(self._live)
+
+    def live_ids(self) -> list[int]:
+        with self._lock:
+            return sorted(self._live)
+
+    def last_id(self) -> int:
+        with self._lock:
+            return self._last_id
 
     def close(self) -> None:
         with self._flush_lock, self._lock:
