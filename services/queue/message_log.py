@@ -357,10 +357,31 @@ def _check_payload(payload: bytes) -> bytes:
     return data
 
 
+class _AppendedIds:
+    """What both logs keep of the appended operations, under `_lock`: the live ids and the next id's bound."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._live: set[int] = set()  # enqueued and not removed, flushed or not
+        self._last_id = 0  # every enqueue must exceed it
+
+    def live_count(self) -> int:
+        with self._lock:
+            return len(self._live)
+
+    def live_ids(self) -> list[int]:
+        with self._lock:
+            return sorted(self._live)
+
+    def last_id(self) -> int:
+        with self._lock:
+            return self._last_id
+
+
 # ------------------------------------------------------------------ in memory
 
 
-class MemoryMessageLog:
+class MemoryMessageLog(_AppendedIds):
     """The contract with nothing durable: `recover` returns what was flushed into this instance.
 
     `reopened()` gives what a restart after a crash would see: a new log
@@ -368,12 +389,10 @@ class MemoryMessageLog:
     """
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
+        super().__init__()
         self._pending: list[tuple[int, bytes] | list[int] | bytes] = []
         self._flushed: dict[int, bytes] = {}
         self._mark = b""
-        self._live: set[int] = set()
-        self._last_id = 0
         self._closed = False
         self.flushes = 0
 
@@ -429,18 +448,6 @@ class MemoryMessageLog:
 
     def intact_mark(self) -> bytes:
         return self.mark()  # nothing here can be damaged
-
-    def live_count(self) -> int:
-        with self._lock:
-            return len(self._live)
-
-    def live_ids(self) -> list[int]:
-        with self._lock:
-            return sorted(self._live)
-
-    def last_id(self) -> int:
-        with self._lock:
-            return self._last_id
 
     def close(self) -> None:
         with self._lock:
@@ -725,7 +732,7 @@ def _write_all(fd: int, data: bytes) -> None:
         view = view[written:]
 
 
-class FileMessageLog:
+class FileMessageLog(_AppendedIds):
     """The contract in segment files in one directory (see the module docstring for the format and guarantees).
 
     Opening replays the directory (cutting away a torn tail, listed in
@@ -751,11 +758,9 @@ class FileMessageLog:
         self.truncations: list[Truncation] = []
         self.damage: list[Damage] = []  # empty when the log is intact; read-only when it is not
         self._hook = fault_hook
-        self._lock = threading.Lock()  # the appended (not yet written) state
+        super().__init__()  # the appended (not yet written) state, under `_lock`
         self._flush_lock = threading.Lock()  # the written state: segments, locations, files
         self._pending: list[_Pending] = []
-        self._live: set[int] = set()
-        self._last_id = 0
         self._segments: dict[int, _Segment] = {}
         self._where: dict[int, _Location] = {}  # live on disk, ascending ids
         self._active: _Segment | None = None
@@ -852,18 +857,6 @@ class FileMessageLog:
     def intact_mark(self) -> bytes:
         with self._flush_lock:
             return self._intact_mark if self.damage else self._mark
-
-    def live_count(self) -> int:
-        with self._lock:
-            return len(self._live)
-
-    def live_ids(self) -> list[int]:
-        with self._lock:
-            return sorted(self._live)
-
-    def last_id(self) -> int:
-        with self._lock:
-            return self._last_id
 
     def close(self) -> None:
         with self._flush_lock, self._lock:
