@@ -1,16 +1,20 @@
 """The MessageLog contract (services/queue/message_log.py), run against MemoryMessageLog and FileMessageLog.
 
-Then FileMessageLog on disk: reopening, torn tails cut at every byte of the last record, garbage tails, the
-corruption policy (a bad record drops the rest of its segment, later segments are still replayed), segment
-rotation, garbage collection that never brings a removed message back, compaction with a crash between each of
-its steps, the directory lock, and a real crash test: a writing process SIGKILLed at random moments.
+Then FileMessageLog on disk: reopening, the COMMIT record that ends every flush, torn tails cut at every byte of
+the last flush, garbage and uncommitted records after the last COMMIT, damage (a bad record a COMMIT follows, or
+one in an older segment, in a snapshot) salvaged past and reported while the log turns read-only, logs written
+before COMMIT records existed, random single-byte damage against a model of the format, segment rotation,
+garbage collection that never brings a removed message back, compaction with a crash between each of its steps,
+the directory lock, and a real crash test: a writing process SIGKILLed at random moments.
 """
 
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import random
+import re
 import shutil
 import signal
 import struct
@@ -21,7 +25,7 @@ import time
 import zlib
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import pytest
 
@@ -29,12 +33,15 @@ from services.queue import message_log
 from services.queue.message_log import (
     HEADER_BYTES,
     MAX_MARK_BYTES,
+    Damage,
     FileMessageLog,
     LogClosedError,
+    LogDamagedError,
     LogFailedError,
     LogLockedError,
     MemoryMessageLog,
     MessageLog,
+    Truncation,
 )
 
 REPO = Path(__file__).resolve().parents[1]
@@ -50,6 +57,44 @@ def payload_for(message_id: int, size: int | None = None) -> bytes:
 
 def record_bytes(payload_length: int) -> int:
     return HEADER_BYTES + 8 + payload_length
+
+
+COMMIT_BYTES = HEADER_BYTES + 8  # the record that ends every flush
+ENQUEUE, REMOVE, SNAPSHOT, MARK, COMMIT = 1, 2, 3, 4, 5  # record types, as the module docstring lists them
+
+
+def log_record(record_type: int, body: bytes) -> bytes:
+    """A valid record, built here from the documented format rather than by the module."""
+    fields = struct.pack("<BBHI", record_type, 1, 0, len(body))
+    return b"RQML" + fields + struct.pack("<I", zlib.crc32(body, zlib.crc32(fields))) + body
+
+
+class Record(NamedTuple):
+    path: Path
+    offset: int
+    length: int
+    record_type: int
+    body: bytes
+
+
+def records_in(segment: Path) -> list[Record]:
+    """Every record of an intact segment file, read with the documented format."""
+    data = segment.read_bytes()
+    found: list[Record] = []
+    offset = 0
+    while offset < len(data):
+        magic, record_type, _, _, length, _ = struct.unpack_from("<4sBBHII", data, offset)
+        assert magic == b"RQML", f"{segment} at {offset}: not a record"
+        body = data[offset + HEADER_BYTES : offset + HEADER_BYTES + length]
+        found.append(Record(segment, offset, HEADER_BYTES + length, record_type, body))
+        offset += HEADER_BYTES + length
+    return found
+
+
+def flip_byte(path: Path, offset: int, mask: int = 0xFF) -> None:
+    data = bytearray(path.read_bytes())
+    data[offset] ^= mask
+    path.write_bytes(bytes(data))
 
 
 def segment_files(directory: Path) -> list[Path]:
@@ -305,6 +350,38 @@ def test_appends_from_one_thread_while_another_flushes(opener: Opener, log: Mess
     assert opener.restart(log).recover() == expected
 
 
+def test_live_ids_and_last_id_count_what_was_appended(opener: Opener, log: MessageLog) -> None:
+    assert (log.live_ids(), log.last_id()) == ([], 0)
+    for message_id in (3, 5, 9, 12):
+        log.append_enqueue(message_id, payload_for(message_id))
+    log.append_remove([5, 12])
+    assert (log.live_ids(), log.last_id()) == ([3, 9], 12)  # not flushed yet; a removed id still bounds the next
+    log.flush()
+    log.append_enqueue(20, b"not flushed")
+    assert (log.live_ids(), log.last_id()) == ([3, 9, 20], 20)
+    restarted = opener.restart(log)  # the unflushed 20 is gone; the bound is now the highest recovered id
+    assert (restarted.live_ids(), restarted.last_id()) == ([3, 9], 9)
+    # Bringing the log up to what an owner holds, {3, 10, 11}: remove what it lacks, enqueue above last_id().
+    held = {3: payload_for(3), 10: b"ten", 11: b"eleven"}
+    assert restarted.append_remove(set(restarted.live_ids()) - set(held)) == 1
+    for message_id in sorted(held):
+        if message_id > restarted.last_id():
+            restarted.append_enqueue(message_id, held[message_id])
+    restarted.flush()
+    assert opener.restart(restarted).recover() == list(held.items())
+
+
+def test_intact_mark_is_the_mark_when_nothing_is_damaged(opener: Opener, log: MessageLog) -> None:
+    assert log.intact_mark() == b""
+    log.append_enqueue(1, b"one")
+    log.append_mark(b"position 1")
+    log.flush()
+    assert log.intact_mark() == log.mark() == b"position 1"
+    log.append_mark(b"position 2")
+    restarted = opener.restart(log)
+    assert restarted.intact_mark() == restarted.mark() == b"position 1"
+
+
 # ---------------------------------------------------------------------------------------------- on disk
 
 
@@ -334,8 +411,32 @@ def test_reopening_recovers_every_flush(tmp_path: Path) -> None:
         assert log.truncations == []
 
 
+def test_every_flush_that_writes_ends_with_a_numbered_commit(tmp_path: Path) -> None:
+    directory = tmp_path / "log"
+    with open_file_log(directory, 1 << 20) as log:
+        log.append_enqueue(1, b"one")
+        log.append_mark(b"m")
+        log.flush()
+        log.flush()  # nothing to write: no COMMIT either
+        log.append_remove([1])
+        log.flush()
+    with open_file_log(directory, 1 << 20) as log:  # the count goes on after a reopening
+        log.append_enqueue(2, b"two")
+        log.flush()
+    (segment,) = segment_files(directory)
+    assert [(record.record_type, record.body) for record in records_in(segment)] == [
+        (ENQUEUE, struct.pack("<Q", 1) + b"one"),
+        (MARK, b"m"),
+        (COMMIT, struct.pack("<Q", 1)),
+        (REMOVE, struct.pack("<Q", 1)),
+        (COMMIT, struct.pack("<Q", 2)),
+        (ENQUEUE, struct.pack("<Q", 2) + b"two"),
+        (COMMIT, struct.pack("<Q", 3)),
+    ]
+
+
 @pytest.mark.parametrize("last", ["enqueue", "remove"])
-def test_a_torn_last_record_is_dropped_at_every_offset(tmp_path: Path, last: str) -> None:
+def test_a_torn_last_flush_is_dropped_at_every_offset(tmp_path: Path, last: str) -> None:
     base = tmp_path / "base"
     write_messages(base, range(1, 6), segment_bytes=1 << 20)
     with open_file_log(base, 1 << 20) as log:
@@ -346,7 +447,8 @@ def test_a_torn_last_record_is_dropped_at_every_offset(tmp_path: Path, last: str
         log.flush()
     (segment,) = segment_files(base)
     full = segment.stat().st_size
-    start = full - (record_bytes(40) if last == "enqueue" else HEADER_BYTES + 8)
+    last_record = record_bytes(40) if last == "enqueue" else HEADER_BYTES + 8
+    start = full - last_record - COMMIT_BYTES  # where the last flush begins
     before_last = [(i, payload_for(i, 40)) for i in range(1, 6)]
     for cut in range(start, full + 1):
         trial = tmp_path / f"cut-{cut}"
@@ -354,20 +456,19 @@ def test_a_torn_last_record_is_dropped_at_every_offset(tmp_path: Path, last: str
         os.truncate(trial / segment.name, cut)
         with open_file_log(trial, 1 << 20) as log:
             recovered = log.recover()
+            assert log.damage == []
             if cut == full:
                 assert log.truncations == []
-                assert recovered != before_last  # the whole last record is there
+                assert recovered != before_last  # the whole last flush is there
                 continue
             assert recovered == before_last, cut
             if cut == start:
                 assert log.truncations == []
             else:
                 (truncation,) = log.truncations
-                assert (truncation.offset, truncation.dropped_bytes, truncation.newest_segment) == (
-                    start,
-                    cut - start,
-                    True,
-                )
+                assert (truncation.offset, truncation.dropped_bytes) == (start, cut - start)
+                if cut == start + last_record:  # the record is whole, its COMMIT missing: uncommitted
+                    assert truncation.reason == "no COMMIT after it"
             assert (trial / segment.name).stat().st_size == start  # cut away on disk too
             log.append_enqueue(100, b"after the crash")
             log.flush()
@@ -394,7 +495,7 @@ def bad_crc_record() -> bytes:
     ],
     ids=["zeros", "random", "bad-crc", "huge-length", "short"],
 )
-def test_garbage_after_the_last_record_is_dropped(tmp_path: Path, garbage: bytes) -> None:
+def test_garbage_after_the_last_commit_is_dropped(tmp_path: Path, garbage: bytes) -> None:
     directory = tmp_path / "log"
     write_messages(directory, range(1, 4))
     segment = segment_files(directory)[-1]
@@ -404,46 +505,288 @@ def test_garbage_after_the_last_record_is_dropped(tmp_path: Path, garbage: bytes
     with open_file_log(directory) as log:
         assert log.recover() == [(i, payload_for(i, 40)) for i in range(1, 4)]
         assert [(t.offset, t.dropped_bytes) for t in log.truncations] == [(size, len(garbage))]
+        assert log.damage == []
     assert segment.stat().st_size == size
 
 
-def test_a_corrupt_record_drops_the_rest_of_its_segment(tmp_path: Path) -> None:
-    """Policy: records after a bad one in the same segment are never returned (they may not be a prefix)."""
+def test_a_valid_record_after_the_last_commit_is_dropped(tmp_path: Path) -> None:
+    """Records written whole whose flush never wrote its COMMIT: nobody was told they were durable."""
     directory = tmp_path / "log"
-    write_messages(directory, range(1, 11), segment_bytes=1 << 20)
-    (segment,) = segment_files(directory)
-    fifth = 4 * record_bytes(40)
-    data = bytearray(segment.read_bytes())
-    data[fifth + HEADER_BYTES + 8 + 10] ^= 0xFF  # a payload byte of message 5
-    segment.write_bytes(bytes(data))
+    write_messages(directory, range(1, 4))
+    segment = segment_files(directory)[-1]
+    size = segment.stat().st_size
+    uncommitted = log_record(ENQUEUE, struct.pack("<Q", 4) + b"never confirmed") + log_record(MARK, b"never reached")
+    with segment.open("ab") as file:
+        file.write(uncommitted)
+    with open_file_log(directory) as log:
+        assert log.recover() == [(i, payload_for(i, 40)) for i in range(1, 4)]
+        assert log.mark() == b""
+        assert log.truncations == [Truncation(str(segment), size, len(uncommitted), "no COMMIT after it")]
+        assert log.damage == []
+        log.append_enqueue(4, b"confirmed this time")
+        log.flush()
+    assert segment.stat().st_size == size + record_bytes(len(b"confirmed this time")) + COMMIT_BYTES
+    with open_file_log(directory) as log:
+        assert log.recover()[-1] == (4, b"confirmed this time")
+
+
+@pytest.mark.parametrize("first_part", ["intact", "damaged"])
+def test_a_flush_cut_short_over_two_segments_is_dropped_whole(tmp_path: Path, first_part: str) -> None:
+    """A flush filled a segment (fsynced and closed) and died in the next one before its COMMIT: both parts go.
+    A bad byte in the first part cannot be a torn write, though: that is damage, and the log is left as found."""
+    directory = tmp_path / "log"
+    limit = 4 * record_bytes(40)
+    write_messages(directory, [1], limit)
+    with open_file_log(directory, limit) as log:
+        for message_id in range(2, 6):
+            log.append_enqueue(message_id, payload_for(message_id, 40))
+        log.flush()
+    first, second = segment_files(directory)  # 1: enqueue 1, COMMIT 1, enqueue 2, 3; 2: enqueue 4, 5, COMMIT 2
+    assert [record.record_type for record in records_in(first)] == [ENQUEUE, COMMIT, ENQUEUE, ENQUEUE]
+    assert [record.record_type for record in records_in(second)] == [ENQUEUE, ENQUEUE, COMMIT]
+    committed = record_bytes(40) + COMMIT_BYTES
+    os.truncate(second, second.stat().st_size - 5)  # the crash tore the COMMIT
+    if first_part == "damaged":
+        flip_byte(first, committed + HEADER_BYTES + 8)
+    torn_size = second.stat().st_size
+    with open_file_log(directory, limit) as log:
+        assert log.recover() == [(1, payload_for(1, 40))]
+        if first_part == "damaged":
+            assert log.damage == [Damage(str(first), committed, record_bytes(40), "CRC mismatch")]
+            assert second.stat().st_size == torn_size  # nothing cut: evidence
+            with pytest.raises(LogDamagedError):
+                log.append_enqueue(2, b"")
+            return
+        assert log.damage == []
+        assert log.truncations == [
+            Truncation(str(first), committed, 2 * record_bytes(40), "no COMMIT after it"),
+            Truncation(str(second), 0, torn_size, "no COMMIT after it"),
+        ]
+        assert segment_files(directory) == [first]
+        assert first.stat().st_size == committed
+        for message_id in range(2, 8):  # the log carries on from its last COMMIT, into new segments
+            log.append_enqueue(message_id, payload_for(message_id, 40))
+            log.flush()
+    with open_file_log(directory, limit) as log:
+        assert log.recover() == [(i, payload_for(i, 40)) for i in range(1, 8)]
+        assert (log.truncations, log.damage) == ([], [])
+
+
+def test_a_bad_byte_with_flushes_after_it_is_damage_and_the_rest_is_salvaged(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    directory = tmp_path / "log"
     with open_file_log(directory, 1 << 20) as log:
-        assert log.recover() == [(i, payload_for(i, 40)) for i in range(1, 5)]
-        (truncation,) = log.truncations
-        assert truncation.offset == fifth
-        assert truncation.reason == "CRC mismatch"
-        assert truncation.dropped_bytes == 6 * record_bytes(40)
-    with open_file_log(directory, 1 << 20) as log:  # cut away for good: the next open is clean
-        assert [m for m, _ in log.recover()] == [1, 2, 3, 4]
+        for message_id in range(1, 11):
+            log.append_enqueue(message_id, payload_for(message_id, 40))
+            log.append_mark(f"after {message_id}".encode())
+            log.flush()
+    (segment,) = segment_files(directory)
+    fifth = next(r for r in records_in(segment) if r.record_type == ENQUEUE and r.body[:8] == struct.pack("<Q", 5))
+    flip_byte(segment, fifth.offset + HEADER_BYTES + 8 + 10)  # a payload byte of message 5
+    damaged = segment.read_bytes()
+    expected_damage = [Damage(str(segment), fifth.offset, fifth.length, "CRC mismatch")]
+    expected = [(i, payload_for(i, 40)) for i in range(1, 11) if i != 5]
+    with caplog.at_level(logging.ERROR, logger=message_log.__name__), open_file_log(directory, 1 << 20) as log:
+        assert log.recover() == expected
+        assert log.damage == expected_damage
+        assert log.truncations == []
+        assert log.mark() == b"after 10"
+        assert log.intact_mark() == b"after 4"  # the position of the intact prefix
+        assert (log.live_ids(), log.last_id(), log.live_count()) == ([i for i, _ in expected], 10, 9)
+        refused: list[Callable[[], object]] = [
+            lambda: log.append_enqueue(11, b"x"),
+            lambda: log.append_remove([1]),
+            lambda: log.append_mark(b"x"),
+            log.flush,
+        ]
+        for attempt in refused:
+            with pytest.raises(LogDamagedError, match=re.escape(f"message log {directory} is damaged")):
+                attempt()
+    errors = [record.getMessage() for record in caplog.records if record.levelno == logging.ERROR]
+    assert len(errors) == 1 and str(expected_damage[0]) in errors[0]
+    assert segment.read_bytes() == damaged  # left as found: evidence
+    with open_file_log(directory, 1 << 20) as log:  # and found again at the next opening
+        assert (log.recover(), log.damage) == (expected, expected_damage)
+
+
+def test_a_damaged_remove_brings_its_messages_back(tmp_path: Path) -> None:
+    """What salvage does not promise: acknowledgements lost with the damage return their messages."""
+    directory = tmp_path / "log"
+    with open_file_log(directory, 1 << 20) as log:
+        for message_id in range(1, 7):
+            log.append_enqueue(message_id, payload_for(message_id, 40))
+        log.flush()
+        log.append_remove([2, 3])
+        log.flush()
+        log.append_remove([4])
+        log.append_enqueue(7, payload_for(7, 40))
+        log.flush()
+    (segment,) = segment_files(directory)
+    first_remove = next(record for record in records_in(segment) if record.record_type == REMOVE)
+    flip_byte(segment, first_remove.offset + HEADER_BYTES)
+    with open_file_log(directory, 1 << 20) as log:
+        assert [message_id for message_id, _ in log.recover()] == [1, 2, 3, 5, 6, 7]
+        assert log.damage == [Damage(str(segment), first_remove.offset, first_remove.length, "CRC mismatch")]
+
+
+def test_damage_in_an_older_segment_is_salvaged_past(tmp_path: Path) -> None:
+    directory = tmp_path / "log"
+    limit = 3 * (record_bytes(40) + COMMIT_BYTES)  # three flushes per segment
+    write_messages(directory, range(1, 13), segment_bytes=limit)
+    segments = segment_files(directory)
+    assert len(segments) == 4
+    fifth = records_in(segments[1])[2]  # enqueue 4, COMMIT, enqueue 5
+    assert fifth.body[:8] == struct.pack("<Q", 5)
+    flip_byte(segments[1], fifth.offset + 5, 0x01)  # its header: the format version
+    with open_file_log(directory, limit) as log:
+        assert [m for m, _ in log.recover()] == [1, 2, 3, 4, 6, 7, 8, 9, 10, 11, 12]
+        assert log.damage == [Damage(str(segments[1]), fifth.offset, fifth.length, "unknown format version")]
         assert log.truncations == []
 
 
-def test_a_corrupt_record_in_an_older_segment_keeps_later_segments(tmp_path: Path) -> None:
+@pytest.mark.parametrize("target", ["snapshot record", "message"])
+def test_damage_inside_a_snapshot_segment_is_salvaged_past(tmp_path: Path, target: str) -> None:
     directory = tmp_path / "log"
-    per_segment = 3
-    write_messages(directory, range(1, 13), segment_bytes=per_segment * record_bytes(40))
-    segments = segment_files(directory)
-    assert len(segments) == 4
-    data = bytearray(segments[1].read_bytes())
-    data[record_bytes(40) + 5] ^= 0x01  # the header of message 5, the second record of the second segment
-    segments[1].write_bytes(bytes(data))
-    with open_file_log(directory, per_segment * record_bytes(40)) as log:
-        assert [m for m, _ in log.recover()] == [1, 2, 3, 4, 7, 8, 9, 10, 11, 12]
-        (truncation,) = log.truncations
-        assert (truncation.path, truncation.offset, truncation.newest_segment) == (
-            str(segments[1]),
-            record_bytes(40),
-            False,
-        )
+    with open_file_log(directory, 1024) as log:
+        expected = compaction_workload(log)
+    snapshot = segment_files(directory)[0]
+    assert is_snapshot(snapshot)
+    records = records_in(snapshot)
+    hit = records[0] if target == "snapshot record" else records[len(records) // 2]
+    assert hit.record_type == (SNAPSHOT if target == "snapshot record" else ENQUEUE)
+    flip_byte(snapshot, hit.offset + hit.length - 1)
+    lost = {struct.unpack_from("<Q", hit.body)[0]} if hit.record_type == ENQUEUE else set()
+    with open_file_log(directory, 1024) as log:
+        assert log.recover() == [(i, payload) for i, payload in expected if i not in lost]
+        assert log.damage == [Damage(str(snapshot), hit.offset, hit.length, "CRC mismatch")]
+
+
+def test_damage_to_the_last_commit_cannot_be_told_from_a_torn_tail(tmp_path: Path) -> None:
+    """The documented limit: it costs the last flush, and only that."""
+    directory = tmp_path / "log"
+    write_messages(directory, range(1, 6), segment_bytes=1 << 20)
+    (segment,) = segment_files(directory)
+    last_commit = records_in(segment)[-1]
+    assert last_commit.record_type == COMMIT
+    flip_byte(segment, last_commit.offset + HEADER_BYTES)
+    with open_file_log(directory, 1 << 20) as log:
+        assert [message_id for message_id, _ in log.recover()] == [1, 2, 3, 4]
+        assert log.damage == []
+        assert [(t.offset, t.reason) for t in log.truncations] == [
+            (last_commit.offset - record_bytes(40), "no COMMIT after it")
+        ]
+
+
+def test_a_log_without_commit_records_keeps_the_old_policy(tmp_path: Path) -> None:
+    """Written before COMMIT records existed: a bad record in the newest segment still cuts it there. Once a
+    flush has added a COMMIT after the old records, a bad byte among them is damage."""
+    directory = tmp_path / "log"
+    directory.mkdir()
+    segment = directory / f"{1:020d}.seg"
+    segment.write_bytes(b"".join(log_record(ENQUEUE, struct.pack("<Q", i) + payload_for(i, 40)) for i in range(1, 11)))
+    fifth = 4 * record_bytes(40)
+    flip_byte(segment, fifth + HEADER_BYTES + 8 + 10)
+    with open_file_log(directory, 1 << 20) as log:
+        assert log.recover() == [(i, payload_for(i, 40)) for i in range(1, 5)]
+        assert [(t.offset, t.dropped_bytes, t.reason) for t in log.truncations] == [
+            (fifth, 6 * record_bytes(40), "CRC mismatch")
+        ]
+        assert log.damage == []
+        log.append_enqueue(5, payload_for(5, 40))
+        log.flush()
+    assert segment.stat().st_size == fifth + record_bytes(40) + COMMIT_BYTES
+    flip_byte(segment, record_bytes(40) + HEADER_BYTES + 8 + 10)  # message 2, an old record a COMMIT now follows
+    with open_file_log(directory, 1 << 20) as log:
+        assert [message_id for message_id, _ in log.recover()] == [1, 3, 4, 5]
+        assert [(d.offset, d.length) for d in log.damage] == [(record_bytes(40), record_bytes(40))]
+        assert log.truncations == []
+
+
+def random_log(directory: Path, seed: int) -> tuple[dict[int, bytes], list[str]]:
+    """A log of random flushes (enqueues, removes mostly from the head, marks) over small segments, so that it
+    rotates, collects and compacts. Returns every message ever enqueued, and the compaction steps taken."""
+    rng = random.Random(seed)
+    enqueued: dict[int, bytes] = {}
+    live: list[int] = []
+    steps: list[str] = []
+    next_id = 0
+    with open_file_log(directory, 1024, fault_hook=steps.append) as log:
+        for step in range(rng.randint(60, 160)):
+            for _ in range(rng.randint(0, 4)):
+                next_id += rng.choice((1, 1, 3))
+                enqueued[next_id] = payload_for(next_id, rng.randint(0, 60))
+                log.append_enqueue(next_id, enqueued[next_id])
+                live.append(next_id)
+            if live and rng.random() < 0.6:
+                gone = [i for i in live[: rng.randint(1, 6)] if i % 7]  # every 7th lives long
+                log.append_remove(gone)
+                live = [i for i in live if i not in gone]
+            if rng.random() < 0.3:
+                log.append_mark(f"step {step}".encode())
+            if rng.random() < 0.5:
+                log.flush()
+        log.append_mark(b"end")
+        log.flush()
+    return enqueued, steps
+
+
+def replay_records(records: list[Record], skip: Record | None = None) -> tuple[dict[int, bytes], bytes, bytes]:
+    """What the records describe without `skip`: the live messages, the newest mark and the mark before `skip`."""
+    live: dict[int, bytes] = {}
+    mark = mark_before = b""
+    for record in records:
+        if record == skip:
+            mark_before = mark
+        elif record.record_type == ENQUEUE:
+            live[struct.unpack_from("<Q", record.body)[0]] = record.body[8:]
+        elif record.record_type == REMOVE:
+            for (message_id,) in struct.iter_unpack("<Q", record.body):
+                live.pop(message_id, None)
+        elif record.record_type == MARK:
+            mark = record.body
+    return live, mark, mark_before if skip is not None else mark
+
+
+def test_any_single_bad_byte_before_the_last_commit_loses_at_most_its_record(tmp_path: Path) -> None:
+    """Random logs, one random byte changed in a committed record: recovery never raises, returns only messages
+    that were enqueued, and returns exactly what the records describe without the damaged one."""
+    compactions = 0
+    for seed in range(4):
+        base = tmp_path / f"log-{seed}"
+        enqueued, steps = random_log(base, seed)
+        compactions += steps.count("compaction.renamed")
+        segments = segment_files(base)
+        assert not any(is_snapshot(segment) for segment in segments[1:])
+        records = [record for segment in segments for record in records_in(segment)]
+        live, mark, _ = replay_records(records)
+        intact = tmp_path / f"intact-{seed}"
+        shutil.copytree(base, intact)
+        with open_file_log(intact, 1024) as log:  # the model reads the format as recovery does
+            assert (log.recover(), log.mark(), log.damage) == (list(live.items()), mark, [])
+        last_commit = max(index for index, record in enumerate(records) if record.record_type == COMMIT)
+        rng = random.Random(seed)
+        for trial in range(30):
+            hit = records[rng.randrange(last_commit)]
+            offset = hit.offset + rng.randrange(hit.length)
+            where = f"seed {seed} trial {trial}: byte {offset} of {hit.path.name}, in a type {hit.record_type} record"
+            damaged = tmp_path / f"damaged-{seed}-{trial}"
+            shutil.copytree(base, damaged)
+            flip_byte(damaged / hit.path.name, offset, rng.randint(1, 255))
+            expected, expected_mark, mark_before = replay_records(records, skip=hit)
+            with open_file_log(damaged, 1024) as log:
+                recovered = log.recover()
+                assert all(enqueued.get(message_id) == payload for message_id, payload in recovered), where
+                assert recovered == list(expected.items()), where
+                assert (log.mark(), log.intact_mark()) == (expected_mark, mark_before), where
+                assert [(Path(d.path).name, d.offset, d.length) for d in log.damage] == [
+                    (hit.path.name, hit.offset, hit.length)
+                ], where
+                assert log.truncations == [], where
+                with pytest.raises(LogDamagedError):
+                    log.flush()
+            shutil.rmtree(damaged)
+    assert compactions > 0  # damage landed in snapshots too, not only in segments as written
 
 
 def test_segments_rotate_at_segment_bytes(tmp_path: Path) -> None:
@@ -488,24 +831,24 @@ def test_a_segment_whose_removes_protect_an_older_one_is_kept(tmp_path: Path, mo
     long-lived message: deleting segment 2 before segment 1 would bring message 2 back."""
     monkeypatch.setattr(message_log, "COMPACT_LIVE_FRACTION", 0.0)  # garbage collection alone
     directory = tmp_path / "log"
-    limit = 2 * record_bytes(20)
+    limit = 2 * record_bytes(20) + COMMIT_BYTES + 8  # the first flush and one more remove fill a segment
     with open_file_log(directory, limit) as log:
         log.append_enqueue(1, payload_for(1, 20))  # long-lived
         log.append_enqueue(2, payload_for(2, 20))
-        log.flush()  # segment 1: enqueue 1, enqueue 2
+        log.flush()  # segment 1: enqueue 1, enqueue 2, COMMIT
         log.append_remove([2])
         log.append_enqueue(3, payload_for(3, 20))
-        log.flush()  # segment 2: remove 2, enqueue 3
+        log.flush()  # segment 2: remove 2, enqueue 3, COMMIT
         log.append_remove([3])
         log.append_enqueue(4, payload_for(4, 20))
-        log.flush()  # segment 2: remove 3; segment 3: enqueue 4
+        log.flush()  # segment 2: remove 3; segment 3: enqueue 4, COMMIT
         assert [int(s.stem) for s in segment_files(directory)] == [1, 2, 3]  # 2 is dead but must stay
     with open_file_log(directory, limit) as log:
         assert [m for m, _ in log.recover()] == [1, 4]
         assert [int(s.stem) for s in segment_files(directory)] == [1, 2, 3]
         log.append_remove([1])
-        log.flush()
-        assert [int(s.stem) for s in segment_files(directory)] == [3, 4]  # 1 and then 2 went
+        log.flush()  # segment 3: remove 1, COMMIT
+        assert [int(s.stem) for s in segment_files(directory)] == [3]  # 1 and then 2 went
     with open_file_log(directory, limit) as log:
         assert [m for m, _ in log.recover()] == [4]
 

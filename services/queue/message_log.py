@@ -19,13 +19,20 @@ The contract (`MessageLog`):
   completed flush, in enqueue order. After a crash, a reopened log recovers the
   state after some *prefix* of the appended operations that contains at least
   everything flushed (an operation whose flush was under way may or may not be
-  there; never a later operation without all earlier ones).
+  there; never a later operation without all earlier ones). That holds for an
+  intact log: a damaged `FileMessageLog` (see below) recovers what it could
+  salvage, which need not be such a prefix, and refuses to be written.
 - Message ids are positive. Within one open log each enqueued id is greater
   than every id enqueued before it (even removed ones); after reopening, the
   first id must be greater than every recovered id. Enqueue order is therefore
-  id order. Removing an id that is not live (unknown, already removed) is a
-  no-op (`append_remove` returns how many were live). `live_count` counts every
-  appended operation, flushed or not.
+  id order. `last_id()` is that bound: the highest id enqueued in this open
+  log, recovered ones included (0 if none); the next enqueue must be above it.
+  Removing an id that is not live (unknown, already removed) is a no-op
+  (`append_remove` returns how many were live). `live_count` and `live_ids`
+  (ascending) count every appended operation, flushed or not. With them an
+  owner brings an existing log up to what it holds by appending the
+  difference: removes for the ids it no longer holds, enqueues above
+  `last_id()`.
 - `close` does not flush: anything appended since the last flush is dropped,
   exactly as in a crash.
 - A *mark* is a short opaque value the owner appends with its operations
@@ -33,7 +40,8 @@ The contract (`MessageLog`):
   stream). `mark()` is the last mark of the state `recover` returns: a
   recovered log knows how far its owner had got. Marks are ordered with the
   operations like everything else; a mark whose flush was cut short by a
-  crash is not recovered, the one before it is.
+  crash is not recovered, the one before it is. `intact_mark()` is the last
+  mark before the first damaged region (`mark()` when there is no damage).
 
 `FileMessageLog` on disk (one writer per directory, enforced with an
 exclusive `flock` on `LOCK`; a second opener gets `LogLockedError`):
@@ -42,26 +50,72 @@ exclusive `flock` on `LOCK`; a second opener gets `LogLockedError`):
   header (magic, type, format version, reserved, body length, CRC32) and a
   body; the CRC covers the header fields after the magic and the body.
   Records: ENQUEUE (id, payload), REMOVE (ids), SNAPSHOT (first record of a
-  compacted segment), MARK (the owner's value, at most 256 bytes). A snapshot
-  carries the newest mark after its messages, and garbage collection keeps
-  the segment holding the newest mark, so it survives both.
-- Write order: a flush writes its records and fsyncs the segment; a segment is
-  fsynced before the next one is created, and the directory is fsynced after
-  every file is created, renamed or deleted. So on disk, every segment but
-  the newest is complete, and the newest is intact up to its last fsync;
-  beyond it a crash may leave a torn or garbled tail. Opening fsyncs the
-  newest segment, so what `recover` returns is durable even if the previous
-  writer died between a write and its fsync.
-- Recovery replays the segments in order. Policy for a record that is not
-  valid (short, bad magic, bad CRC, malformed): the segment is truncated at
-  that record and everything after it *in that segment* is dropped, never
-  returned. In the newest segment that is the torn tail of a write a crash
-  interrupted, beyond the last completed flush. In an older segment it cannot
-  come from a crash (those were fsynced before the next segment was created):
-  it is media corruption; the rest of that segment is lost, the later segments
-  are still replayed (keeping what can be kept rather than discarding
-  confirmed messages), and it is logged as an error. Every truncation is
-  listed in `FileMessageLog.truncations`.
+  compacted segment), MARK (the owner's value, at most 256 bytes), COMMIT
+  (the flush number, a u64 counting up from 1 within the log and continuing
+  after a reopening; recovery does not need the numbers, they make each COMMIT
+  distinct so that a reader of a damaged log can tell which flushes a region
+  spans). A snapshot carries the newest mark after its messages,
+  and garbage collection keeps the segment holding the newest mark, so it
+  survives both.
+- Write order: a flush writes its records followed by one COMMIT record, in
+  the same write, then fsyncs the segment; a flush that has nothing to write
+  writes nothing. A segment is fsynced before the next one is created (a flush
+  may spread over several; its COMMIT is in the last), and the directory is
+  fsynced after every file is created, renamed or deleted. So on disk, every
+  segment but the newest is complete, and the newest is intact up to its last
+  fsync; beyond it a crash may leave a torn or garbled tail. A valid COMMIT
+  on disk proves that the write of the flush it ends reached the disk whole,
+  and every flush reported durable to its caller (its fsync returned) ends
+  with one. Opening fsyncs the newest segment, so what `recover` returns is
+  durable even if the previous writer died between a write and its fsync.
+- Recovery replays the segments in order and classifies every *invalid
+  region* (bytes that are not a valid record: short, bad magic, unknown
+  version, bad CRC, malformed body, a misplaced snapshot, or an enqueue whose
+  id is not above every id live before it; that last bound, not "every id
+  ever enqueued", because a reopened log may reuse the ids of messages removed
+  before it was reopened). Only the records up to the last valid COMMIT count;
+  the ones after it belong to a flush that never completed, nobody was told
+  they were durable, and they are dropped. An invalid region is:
+  - a *torn tail* when it is in the newest segment and no valid COMMIT follows
+    it. A crash leaves exactly this. It is dropped with every record after the
+    last COMMIT: the segment holding that COMMIT is truncated just after it
+    and every later segment deleted (listed in `FileMessageLog.truncations`,
+    logged as a warning). A log with no COMMIT at all (written before COMMIT
+    records existed) is truncated at the first invalid region of its newest
+    segment instead, its valid records before it kept, as it always was.
+  - *damage* when it lies in an older segment (fsynced before the next one
+    existed, so no crash can tear it) or when a valid COMMIT follows it (that
+    flush, and so every byte before it, was written whole: something changed
+    the bytes afterwards). Recovery neither truncates nor stops there: it scans
+    forward for the next valid record (magic, valid header, CRC) and replays
+    every valid record after it (*salvage*). Each region is listed in
+    `FileMessageLog.damage` as a `Damage(path, offset, length, reason)` and
+    logged once at ERROR. A damaged log is left exactly as found on disk
+    (evidence: no truncation, no deletion, no garbage collection, torn tail
+    included) and is read-only: `append_*` and `flush` raise `LogDamagedError`;
+    `recover`, `mark`, `intact_mark`, `live_ids`, `last_id` work. Its owner
+    rewrites what it holds into a fresh log or discards it.
+  Without COMMIT records the two could not be told apart: a bad record in the
+  middle of the newest segment followed by good ones looks the same whether a
+  crash tore it or a disk flipped a byte, and truncating there (what this log
+  did before) silently dropped every later flush, confirmed enqueues and
+  acknowledgements alike. The COMMIT after it decides: a crash cannot tear a
+  byte and then complete a later flush.
+- What salvage promises: every valid record outside the damaged regions is
+  replayed, in order, so nothing is lost but what the damaged bytes carried.
+  What it does not: an enqueue inside a damaged region is lost; a remove inside
+  one is lost too, so a message acknowledged (and removed) there comes back; a
+  mark inside one is lost, and `mark()` may describe a state the salvage no
+  longer matches. `intact_mark()` is the last mark before the first damaged
+  region: the position of the intact prefix, which is what a replica may claim
+  (`mark()` when the log is intact). The forward scan trusts the first valid
+  record it meets, so bytes inside a payload that happen to form a valid
+  record can be replayed as one. And damage that hits the last COMMIT, or the
+  bytes after it, cannot be told from a torn tail: at most the last flush is
+  lost then. The classification also assumes the file system does not make a
+  later part of one write durable without the earlier parts (ext4 and xfs
+  appends in their default modes); where it does, a crash can look like
+  damage, which errs the safe way (the log is refused, not silently cut).
 - Garbage collection, after a flush: a closed segment is deleted when none of
   its enqueues is live and none of its removes refers to a message in a
   segment that still exists (otherwise deleting it would bring those removed
@@ -73,14 +127,17 @@ exclusive `flock` on `LOCK`; a second opener gets `LogLockedError`):
   a SNAPSHOT record into `<k>.seg.compacting`, which is fsynced and renamed
   over segment k; the directory is fsynced; then segments < k are deleted.
   Invariant that makes a crash at any point safe: *recovery starts from the
-  newest segment that begins with a SNAPSHOT record, ignoring (and deleting)
-  every lower segment, and ignores `*.compacting` files.* Before the rename the
+  newest segment that begins with a SNAPSHOT record, ignoring (and, in an
+  intact log, deleting) every lower segment, and ignores `*.compacting`
+  files.* Before the rename the
   old segments are the log (the temporary file is ignored); the rename
   replaces segment k atomically with a complete, fsynced snapshot of every
   message live in segments <= k, so from then on the lower segments are
   ignored whether or not they are deleted yet. The snapshot keeps the
   messages in id order and every later segment holds greater ids, so replay
-  still sees enqueues in enqueue order.
+  still sees enqueues in enqueue order. A snapshot holds no COMMIT: only
+  closed segments are compacted, so it is never the newest segment, and the
+  COMMITs of the flushes after it vouch for it (damage in it is damage).
 - Thread safety: appends may come from one thread (the event loop) while
   `flush` runs in another (asyncio.to_thread): appends take a short lock and
   never wait for a flush; flushes are serialized, and a flush that finds
@@ -104,8 +161,10 @@ from typing import Final, NamedTuple, Protocol
 __all__ = [
     "DEFAULT_SEGMENT_BYTES",
     "MAX_MARK_BYTES",
+    "Damage",
     "FileMessageLog",
     "LogClosedError",
+    "LogDamagedError",
     "LogFailedError",
     "LogLockedError",
     "MemoryMessageLog",
@@ -132,6 +191,7 @@ _ENQUEUE: Final = 1
 _REMOVE: Final = 2
 _SNAPSHOT: Final = 3
 _MARK: Final = 4
+_COMMIT: Final = 5
 _FIELDS: Final = struct.Struct("<BBHI")  # the header after the magic, before the CRC
 _CRC: Final = struct.Struct("<I")
 _ID: Final = struct.Struct("<Q")
@@ -159,8 +219,15 @@ def _remove_record(message_ids: list[int]) -> bytes:
     return _record(_REMOVE, struct.pack(f"<{len(message_ids)}Q", *message_ids))
 
 
-def _parse_record(data: memoryview, offset: int) -> tuple[int, int, int] | str:
-    """(type, body start, end) of the record at `offset`, or why there is no valid record there."""
+def _commit_record(flush_number: int) -> bytes:
+    return _record(_COMMIT, _ID.pack(flush_number))
+
+
+def _parse_record(data: memoryview, offset: int, segment_seq: int = 0) -> tuple[int, int, int] | str:
+    """(type, body start, end) of the record at `offset`, or why there is no valid record there.
+
+    `data` is segment `segment_seq` from its start: a SNAPSHOT is valid only as the first record of the
+    segment it names (with the default 0, which names none, never)."""
     if len(data) - offset < HEADER_BYTES:
         return "incomplete header"
     magic, rtype, version, reserved, length, crc = _HEADER.unpack_from(data, offset)
@@ -180,9 +247,14 @@ def _parse_record(data: memoryview, offset: int) -> tuple[int, int, int] | str:
     elif rtype == _REMOVE:
         if length == 0 or length % _ID.size:
             return "malformed remove"
+    elif rtype == _COMMIT:
+        if length != _ID.size:
+            return "malformed commit"
     elif rtype == _SNAPSHOT:
         if length != _ID.size:
             return "malformed snapshot"
+        if offset or _ID.unpack_from(data, body)[0] != segment_seq:
+            return "misplaced snapshot"
     elif rtype == _MARK:
         if length > MAX_MARK_BYTES:
             return "malformed mark"
@@ -208,6 +280,10 @@ class LogFailedError(MessageLogError):
 
 class LogClosedError(MessageLogError):
     """The log was closed."""
+
+
+class LogDamagedError(MessageLogError):
+    """Recovery found damage (see `FileMessageLog.damage`): the log is read-only; rewrite what it holds elsewhere."""
 
 
 class MessageLog(Protocol):
@@ -237,8 +313,20 @@ class MessageLog(Protocol):
         """The newest mark as of the last completed flush (or recovered at opening); b"" if none."""
         ...
 
+    def intact_mark(self) -> bytes:
+        """The last mark recovered before the first damaged region; `mark()` when the log is intact."""
+        ...
+
     def live_count(self) -> int:
         """Messages enqueued and not removed, counting operations not flushed yet."""
+        ...
+
+    def live_ids(self) -> list[int]:
+        """The ids enqueued and not removed, counting operations not flushed yet, ascending."""
+        ...
+
+    def last_id(self) -> int:
+        """The highest id enqueued in this open log, recovered ones included (0 if none): the next must exceed it."""
         ...
 
     def close(self) -> None:
@@ -269,10 +357,31 @@ def _check_payload(payload: bytes) -> bytes:
     return data
 
 
+class _AppendedIds:
+    """What both logs keep of the appended operations, under `_lock`: the live ids and the next id's bound."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._live: set[int] = set()  # enqueued and not removed, flushed or not
+        self._last_id = 0  # every enqueue must exceed it
+
+    def live_count(self) -> int:
+        with self._lock:
+            return len(self._live)
+
+    def live_ids(self) -> list[int]:
+        with self._lock:
+            return sorted(self._live)
+
+    def last_id(self) -> int:
+        with self._lock:
+            return self._last_id
+
+
 # ------------------------------------------------------------------ in memory
 
 
-class MemoryMessageLog:
+class MemoryMessageLog(_AppendedIds):
     """The contract with nothing durable: `recover` returns what was flushed into this instance.
 
     `reopened()` gives what a restart after a crash would see: a new log
@@ -280,12 +389,10 @@ class MemoryMessageLog:
     """
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
+        super().__init__()
         self._pending: list[tuple[int, bytes] | list[int] | bytes] = []
         self._flushed: dict[int, bytes] = {}
         self._mark = b""
-        self._live: set[int] = set()
-        self._last_id = 0
         self._closed = False
         self.flushes = 0
 
@@ -339,9 +446,8 @@ class MemoryMessageLog:
         with self._lock:
             return self._mark
 
-    def live_count(self) -> int:
-        with self._lock:
-            return len(self._live)
+    def intact_mark(self) -> bytes:
+        return self.mark()  # nothing here can be damaged
 
     def close(self) -> None:
         with self._lock:
@@ -368,13 +474,29 @@ class MemoryMessageLog:
 
 @dataclass(frozen=True)
 class Truncation:
-    """A segment cut short at recovery: from `offset`, `dropped_bytes` were not valid records."""
+    """A torn tail dropped at recovery: from `offset` in `path`, `dropped_bytes` that no COMMIT vouched for.
+
+    Cut away on disk (a segment after the one holding the last COMMIT is deleted), unless the log is damaged:
+    a damaged log is left as found.
+    """
 
     path: str
     offset: int
     dropped_bytes: int
     reason: str
-    newest_segment: bool
+
+
+@dataclass(frozen=True)
+class Damage:
+    """Bytes recovery skipped that no crash explains: from `offset` in `path`, `length` bytes of no valid record."""
+
+    path: str
+    offset: int
+    length: int
+    reason: str
+
+    def __str__(self) -> str:
+        return f"{self.path} at {self.offset}, {self.length} bytes: {self.reason}"
 
 
 @dataclass
@@ -399,9 +521,193 @@ class _Location(NamedTuple):
 
 class _Pending(NamedTuple):
     record: bytes
-    enqueued: int  # the id, or 0 for a remove or a mark
+    enqueued: int  # the id, or 0 for a remove, a mark or a commit
     removed: list[int]
     mark: bytes | None = None
+
+
+def _place(segments: dict[int, _Segment], where: dict[int, _Location], message_id: int, location: _Location) -> None:
+    """Record that live message `message_id` is stored at `location` (ids must arrive ascending)."""
+    where[message_id] = location
+    home = segments[location.seq]
+    home.live += 1
+    home.live_bytes += location.length
+
+
+def _forget(segments: dict[int, _Segment], where: dict[int, _Location], message_id: int, removed_in: int) -> None:
+    """Record the remove of `message_id`, stored in segment `removed_in` (a no-op if it is not live)."""
+    location = where.pop(message_id, None)
+    if location is None:
+        return
+    home = segments[location.seq]
+    home.live -= 1
+    home.live_bytes -= location.length
+    if location.seq != removed_in:
+        segments[removed_in].deps.add(location.seq)
+
+
+# What replay finds, held back until a COMMIT proves the flush it belongs to completed. An enqueue, by far the
+# most common, is a plain (id, location) pair: a NamedTuple per record would make reopening a third slower.
+
+
+class _Remove(NamedTuple):
+    seq: int
+    offset: int
+    end: int
+    message_ids: tuple[int, ...]
+
+
+class _Mark(NamedTuple):
+    seq: int
+    offset: int
+    end: int
+    mark: bytes
+
+
+class _Invalid(NamedTuple):
+    seq: int
+    offset: int
+    end: int
+    reason: str
+
+
+_Found = tuple[int, _Location] | _Remove | _Mark | _Invalid
+
+_UNCOMMITTED: Final = "no COMMIT after it"
+
+
+class _Replay:
+    """Rebuilds a log's state from the bytes of its segments, oldest first, and classifies what is not valid.
+
+    Pure: the caller reads the files and carries out the verdict (`keep_bytes`, `doomed`). Each record is held
+    back until a COMMIT follows it, then applied; an invalid region met before a COMMIT is damage. `finish`
+    settles what follows the last COMMIT (see the module docstring for the policy).
+    """
+
+    def __init__(self, newest_seq: int) -> None:
+        self.newest_seq = newest_seq
+        self.segments: dict[int, _Segment] = {}
+        self.where: dict[int, _Location] = {}  # live messages, ascending ids
+        self.mark = b""
+        self.mark_seq = 0
+        self.intact_mark = b""  # the mark before the first damaged region
+        self.flush_number = 0  # in the last valid COMMIT
+        self.damage: list[Damage] = []
+        self.truncations: list[Truncation] = []
+        self.keep_bytes: dict[int, int] = {}  # segment -> the size it is cut to (its torn tail dropped)
+        self.doomed: list[int] = []  # segments wholly after the last COMMIT: to delete
+        self._last_commit: tuple[int, int] | None = None  # (segment, end) of the last valid COMMIT
+        self._unproven: list[_Found] = []  # found since the last COMMIT
+
+    def read(self, segment: _Segment, data: bytes) -> None:
+        """Replay the next segment, whose whole content is `data`."""
+        seq = segment.seq
+        self.segments[seq] = segment
+        segment.size = len(data)
+        view = memoryview(data)
+        offset = 0
+        while offset < len(data):
+            parsed = _parse_record(view, offset, seq)
+            if isinstance(parsed, str):
+                end = self._next_valid(data, view, offset, seq)
+                self._unproven.append(_Invalid(seq, offset, end, parsed))
+                offset = end
+                continue
+            rtype, body, end = parsed
+            if rtype == _ENQUEUE:
+                self._unproven.append((_ID.unpack_from(view, body)[0], _Location(seq, offset, end - offset)))
+            elif rtype == _REMOVE:
+                ids = struct.unpack_from(f"<{(end - body) // _ID.size}Q", view, body)
+                self._unproven.append(_Remove(seq, offset, end, ids))
+            elif rtype == _MARK:
+                self._unproven.append(_Mark(seq, offset, end, bytes(view[body:end])))
+            elif rtype == _COMMIT:
+                self._apply(self._unproven, proven=True)
+                self._unproven = []
+                self.flush_number = _ID.unpack_from(view, body)[0]
+                self._last_commit = (seq, end)
+            else:  # the snapshot replay starts from (the caller skipped the segments it replaced)
+                segment.snapshot = True
+            offset = end
+
+    def finish(self) -> None:
+        """Settle what follows the last COMMIT (everything, in a log without one)."""
+        tail, self._unproven = self._unproven, []
+        if self._last_commit is None:  # written before COMMIT records: as this log always did
+            torn = self._apply(tail, proven=False)
+            if torn is not None:
+                self._cut(torn.seq, torn.offset, [torn])
+        else:
+            for found in tail:  # uncommitted records are dropped; but no crash tears an older segment
+                if isinstance(found, _Invalid) and found.seq != self.newest_seq:
+                    self._damaged(found)
+            self._cut(*self._last_commit, tail)
+        if not self.damage:
+            self.intact_mark = self.mark
+
+    def _apply(self, held_back: list[_Found], *, proven: bool) -> _Invalid | None:
+        """Apply records in order. An invalid one is damage when `proven` (a COMMIT follows) or in an older
+        segment; otherwise it begins a torn tail: it is returned, and nothing after it is applied."""
+        where, segments = self.where, self.segments
+        for found in held_back:
+            if isinstance(found, _Remove):
+                for message_id in found.message_ids:
+                    _forget(segments, where, message_id, found.seq)
+                continue
+            if isinstance(found, _Mark):
+                self.mark, self.mark_seq = found.mark, found.seq
+                continue
+            if isinstance(found, _Invalid):
+                problem = found
+            else:
+                message_id, location = found
+                if message_id > next(reversed(where), 0):
+                    _place(segments, where, message_id, location)
+                    continue
+                end = location.offset + location.length
+                problem = _Invalid(location.seq, location.offset, end, f"enqueue of id {message_id} out of order")
+            if not proven and problem.seq == self.newest_seq:
+                return problem
+            self._damaged(problem)
+        return None
+
+    def _damaged(self, problem: _Invalid) -> None:
+        if not self.damage:
+            self.intact_mark = self.mark
+        path = self.segments[problem.seq].path
+        last = self.damage[-1] if self.damage else None
+        if last is not None and last.path == path and last.offset + last.length == problem.offset:
+            self.damage[-1] = Damage(path, last.offset, problem.end - last.offset, last.reason)  # one region
+        else:
+            self.damage.append(Damage(path, problem.offset, problem.end - problem.offset, problem.reason))
+
+    def _cut(self, seq: int, offset: int, dropped: list[_Found]) -> None:
+        """Drop everything from `offset` in segment `seq` on: the rest of it, and every later segment."""
+        first_invalid: dict[int, _Invalid] = {}
+        for found in dropped:
+            if isinstance(found, _Invalid):
+                first_invalid.setdefault(found.seq, found)
+        for later, segment in self.segments.items():
+            if later < seq:
+                continue
+            keep = offset if later == seq else 0
+            if later == seq:
+                if segment.size > keep:
+                    self.keep_bytes[later] = keep
+            else:
+                self.doomed.append(later)
+            if segment.size > keep:
+                first = first_invalid.get(later)
+                reason = first.reason if first is not None and first.offset == keep else _UNCOMMITTED
+                self.truncations.append(Truncation(segment.path, keep, segment.size - keep, reason))
+
+    @staticmethod
+    def _next_valid(data: bytes, view: memoryview, offset: int, seq: int) -> int:
+        """Where the first valid record after `offset` starts; the end of `data` if none does."""
+        candidate = data.find(_MAGIC, offset + 1)
+        while candidate >= 0 and isinstance(_parse_record(view, candidate, seq), str):
+            candidate = data.find(_MAGIC, candidate + 1)
+        return len(data) if candidate < 0 else candidate
 
 
 def _fsync(fd: int) -> None:
@@ -426,11 +732,12 @@ def _write_all(fd: int, data: bytes) -> None:
         view = view[written:]
 
 
-class FileMessageLog:
+class FileMessageLog(_AppendedIds):
     """The contract in segment files in one directory (see the module docstring for the format and guarantees).
 
-    Opening replays the directory (truncating torn tails); `recover()` then
-    reads the live messages. `fault_hook`, for tests, is called with the name
+    Opening replays the directory (cutting away a torn tail, listed in
+    `truncations`; or finding damage, listed in `damage`, and then refusing to
+    write); `recover()` then reads the live messages. `fault_hook`, for tests, is called with the name
     of each step of compaction and garbage collection ("compaction.start",
     "compaction.written", "compaction.synced", "compaction.renamed",
     "compaction.dir_synced", "compaction.deleted", "gc.deleted"); an exception
@@ -449,12 +756,11 @@ class FileMessageLog:
         self.directory = os.path.abspath(directory)
         self.segment_bytes = segment_bytes
         self.truncations: list[Truncation] = []
+        self.damage: list[Damage] = []  # empty when the log is intact; read-only when it is not
         self._hook = fault_hook
-        self._lock = threading.Lock()  # the appended (not yet written) state
+        super().__init__()  # the appended (not yet written) state, under `_lock`
         self._flush_lock = threading.Lock()  # the written state: segments, locations, files
         self._pending: list[_Pending] = []
-        self._live: set[int] = set()
-        self._last_id = 0
         self._segments: dict[int, _Segment] = {}
         self._where: dict[int, _Location] = {}  # live on disk, ascending ids
         self._active: _Segment | None = None
@@ -465,10 +771,13 @@ class FileMessageLog:
         self._compact_backoff_bytes = 0
         self._mark = b""  # the newest mark written (recovered at opening)
         self._mark_seq = 0  # the segment holding it: never collected while it does
+        self._intact_mark = b""  # the last mark before the first damaged region
+        self._flush_number = 0  # in the last COMMIT written
         self._lock_fd = self._take_lock()
         try:
             self._replay()
-            self._collect_garbage()
+            if not self.damage:
+                self._collect_garbage()
         except BaseException:
             self._release_files()
             raise
@@ -479,7 +788,7 @@ class FileMessageLog:
         _check_new_id(message_id, 0)
         record = _enqueue_record(message_id, _check_payload(payload))  # outside the lock: may be large
         with self._lock:
-            self._check_usable()
+            self._check_writable()
             _check_new_id(message_id, self._last_id)
             self._last_id = message_id
             self._live.add(message_id)
@@ -487,7 +796,7 @@ class FileMessageLog:
 
     def append_remove(self, message_ids: Iterable[int]) -> int:
         with self._lock:
-            self._check_usable()
+            self._check_writable()
             known: list[int] = []
             for message_id in message_ids:
                 if message_id in self._live:
@@ -500,11 +809,13 @@ class FileMessageLog:
 
     def flush(self) -> None:
         with self._flush_lock:
-            self._check_usable()
+            self._check_writable()
             with self._lock:
                 pending, self._pending = self._pending, []
             if not pending:
                 return
+            self._flush_number += 1
+            pending.append(_Pending(_commit_record(self._flush_number), 0, []))  # last, in the same write
             try:
                 self._write(pending)
                 self._collect_garbage()
@@ -536,16 +847,16 @@ class FileMessageLog:
     def append_mark(self, mark: bytes) -> None:
         record = _record(_MARK, _check_mark(mark))
         with self._lock:
-            self._check_usable()
+            self._check_writable()
             self._pending.append(_Pending(record, 0, [], mark=bytes(mark)))
 
     def mark(self) -> bytes:
         with self._flush_lock:
             return self._mark
 
-    def live_count(self) -> int:
-        with self._lock:
-            return len(self._live)
+    def intact_mark(self) -> bytes:
+        with self._flush_lock:
+            return self._intact_mark if self.damage else self._mark
 
     def close(self) -> None:
         with self._flush_lock, self._lock:
@@ -586,82 +897,85 @@ class FileMessageLog:
 
     def _replay(self) -> None:
         seqs: list[int] = []
-        leftovers = False
+        leftovers: list[str] = []
         for name in os.listdir(self.directory):
             if name.endswith(_COMPACTING_SUFFIX):
-                os.unlink(os.path.join(self.directory, name))  # a compaction that never reached its rename
-                leftovers = True
+                leftovers.append(name)  # a compaction that never reached its rename: ignored
             elif name.endswith(_SEGMENT_SUFFIX) and name[: -len(_SEGMENT_SUFFIX)].isdigit():
                 seqs.append(int(name[: -len(_SEGMENT_SUFFIX)]))
         seqs.sort()
-        superseded: list[int] = []
-        for index, seq in enumerate(seqs):
-            segment = _Segment(seq, self._path(seq), closed=index < len(seqs) - 1)
-            self._segments[seq] = segment
-            with open(segment.path, "rb") as file:
-                data = memoryview(file.read())
-            offset = 0
-            problem: str | None = None
-            while offset < len(data):
-                parsed = _parse_record(data, offset)
-                if isinstance(parsed, str):
-                    problem = parsed
-                    break
-                rtype, body, end = parsed
-                if rtype == _SNAPSHOT:
-                    if offset != 0 or _ID.unpack_from(data, body)[0] != seq:
-                        problem = "misplaced snapshot"
-                        break
-                    superseded.extend(older for older in self._segments if older != seq)
-                    self._segments = {seq: segment}
-                    self._where.clear()
-                    segment.snapshot = True
-                elif rtype == _ENQUEUE:
-                    message_id = _ID.unpack_from(data, body)[0]
-                    if self._where and message_id <= next(reversed(self._where)):
-                        problem = f"enqueue of id {message_id} out of order"
-                        break
-                    self._where[message_id] = _Location(seq, offset, end - offset)
-                    segment.live += 1
-                    segment.live_bytes += end - offset
-                elif rtype == _MARK:
-                    self._mark, self._mark_seq = bytes(data[body:end]), seq
-                else:
-                    for (message_id,) in _ID.iter_unpack(data[body:end]):
-                        self._forget(message_id, segment)
-                offset = end
-            segment.size = offset
-            if problem is not None:
-                self._truncate(segment, len(data), problem, newest=index == len(seqs) - 1)
-        for seq in superseded:  # below a snapshot: already replaced by it
-            os.unlink(self._path(seq))
-        if superseded or leftovers:
-            _fsync_directory(self.directory)
-        if seqs:
-            self._next_seq = seqs[-1] + 1
-            self._active = self._segments[seqs[-1]]
-            self._active_fd = os.open(self._active.path, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC)
-            # The previous writer may have died between a write and its fsync: make what we recover durable
-            # before anything is written after it (or a power loss could keep the later writes only).
-            _fsync(self._active_fd)
+        start = self._snapshot_start(seqs)
+        replay = _Replay(newest_seq=seqs[-1] if seqs else 0)
+        for seq in seqs[start:]:
+            with open(self._path(seq), "rb") as file:
+                replay.read(_Segment(seq, self._path(seq)), file.read())
+        replay.finish()
+        self.damage, self.truncations = replay.damage, replay.truncations
+        self._segments, self._where = replay.segments, replay.where
+        self._mark, self._mark_seq, self._intact_mark = replay.mark, replay.mark_seq, replay.intact_mark
+        self._flush_number = replay.flush_number
         self._live = set(self._where)
         self._last_id = next(reversed(self._where), 0)
+        for cut in self.truncations:
+            kept = " (not cut away: the log is damaged)" if self.damage else ""
+            _log.warning("message log %s: dropping a torn tail%s: %s", self.directory, kept, cut)
+        if self.damage:  # evidence: nothing on disk changes, and nothing will be written
+            for damage in self.damage:
+                _log.error("message log %s: damaged (salvaged past it, now read-only): %s", self.directory, damage)
+            if seqs:
+                self._sync_newest(self._path(seqs[-1]), writable=False)
+            return
+        for seq, size in replay.keep_bytes.items():
+            self._truncate(seq, size)
+        doomed = [self._path(seq) for seq in replay.doomed]  # wholly after the last COMMIT
+        superseded = [self._path(seq) for seq in seqs[:start]]  # below the snapshot: already replaced by it
+        for path in [*doomed, *superseded, *(os.path.join(self.directory, name) for name in leftovers)]:
+            os.unlink(path)
+        if doomed or superseded or leftovers:
+            _fsync_directory(self.directory)
+        for seq in replay.doomed:
+            del self._segments[seq]
+        if self._segments:
+            newest = max(self._segments)
+            for seq, segment in self._segments.items():
+                segment.closed = seq != newest
+            self._next_seq = newest + 1
+            self._active = self._segments[newest]
+            self._active_fd = self._sync_newest(self._active.path, writable=True)
 
-    def _truncate(self, segment: _Segment, file_size: int, reason: str, *, newest: bool) -> None:
-        cut = Truncation(segment.path, segment.size, file_size - segment.size, reason, newest)
-        self.truncations.append(cut)
-        if newest:
-            _log.warning("message log %s: dropping a torn tail: %s", self.directory, cut)
-        else:
-            _log.error(
-                "message log %s: corrupt record in an older segment, rest of it dropped: %s", self.directory, cut
-            )
-        fd = os.open(segment.path, os.O_WRONLY | os.O_CLOEXEC)
+    def _snapshot_start(self, seqs: list[int]) -> int:
+        """The index in `seqs` of the newest segment that begins with its SNAPSHOT record (0 if none does)."""
+        for index in range(len(seqs) - 1, 0, -1):
+            with open(self._path(seqs[index]), "rb") as file:
+                head = memoryview(file.read(HEADER_BYTES + _ID.size))
+            parsed = _parse_record(head, 0, seqs[index])
+            if isinstance(parsed, tuple) and parsed[0] == _SNAPSHOT:
+                return index
+        return 0
+
+    def _sync_newest(self, path: str, *, writable: bool) -> int:
+        """Fsync the newest segment: the previous writer may have died between a write and its fsync, and what
+        we recover must be durable before anything is written after it (or a power loss could keep the later
+        writes only). Returns the file opened for appending when `writable`, else -1."""
+        fd = os.open(path, (os.O_WRONLY | os.O_APPEND if writable else os.O_RDONLY) | os.O_CLOEXEC)
         try:
-            os.ftruncate(fd, segment.size)
+            _fsync(fd)
+        except BaseException:
+            os.close(fd)
+            raise
+        if writable:
+            return fd
+        os.close(fd)
+        return -1
+
+    def _truncate(self, seq: int, size: int) -> None:
+        fd = os.open(self._path(seq), os.O_WRONLY | os.O_CLOEXEC)
+        try:
+            os.ftruncate(fd, size)
             _fsync(fd)
         finally:
             os.close(fd)
+        self._segments[seq].size = size
 
     # ---------------------------------------------------------------- writing
 
@@ -693,12 +1007,10 @@ class FileMessageLog:
             if op.mark is not None:
                 self._mark, self._mark_seq = op.mark, seq
             elif op.enqueued:
-                self._where[op.enqueued] = _Location(seq, offset, len(op.record))
-                self._segments[seq].live += 1
-                self._segments[seq].live_bytes += len(op.record)
-            else:
+                _place(self._segments, self._where, op.enqueued, _Location(seq, offset, len(op.record)))
+            else:  # a remove, or the commit (which removes nothing)
                 for message_id in op.removed:
-                    self._forget(message_id, self._segments[seq])
+                    _forget(self._segments, self._where, message_id, seq)
 
     def _append(self, segment: _Segment, chunk: list[bytes]) -> None:
         data = b"".join(chunk)
@@ -716,16 +1028,6 @@ class FileMessageLog:
         self._active = segment
         _fsync_directory(self.directory)
         return segment
-
-    def _forget(self, message_id: int, removed_in: _Segment) -> None:
-        where = self._where.pop(message_id, None)
-        if where is None:
-            return
-        home = self._segments[where.seq]
-        home.live -= 1
-        home.live_bytes -= where.length
-        if where.seq != removed_in.seq:
-            removed_in.deps.add(where.seq)
 
     # ---------------------------------------------------------------- reclaiming
 
@@ -810,14 +1112,11 @@ class FileMessageLog:
         self._fault("compaction.renamed")
         _fsync_directory(self.directory)
         last = victims[-1]
-        snapshot = _Segment(last, self._path(last), size=size, closed=True, snapshot=True)
-        for message_id, where in moved:
-            self._where[message_id] = where
-            snapshot.live += 1
-            snapshot.live_bytes += where.length
         for seq in victims:
             del self._segments[seq]
-        self._segments[last] = snapshot
+        self._segments[last] = _Segment(last, self._path(last), size=size, closed=True, snapshot=True)
+        for message_id, where in moved:
+            _place(self._segments, self._where, message_id, where)
         if self._mark_seq in victims:
             self._mark_seq = last  # the snapshot carries it
         for other in self._segments.values():
@@ -856,6 +1155,15 @@ class FileMessageLog:
             raise LogFailedError(
                 f"message log {self.directory} failed in an earlier flush ({self._failed!r}); reopen it"
             ) from self._failed
+
+    def _check_writable(self) -> None:
+        self._check_usable()
+        if self.damage:
+            more = f" and {len(self.damage) - 1} more" if len(self.damage) > 1 else ""
+            raise LogDamagedError(
+                f"message log {self.directory} is damaged ({self.damage[0]}{more}): it is read-only; "
+                "rewrite what it holds into a fresh log or discard it"
+            )
 
     def _release_files(self) -> None:
         if self._active_fd >= 0:
