@@ -63,12 +63,13 @@ SERVER_OPTIONS = [
     ("grpc.max_receive_message_length", MAX_GRPC_MESSAGE_BYTES),
     *SERVER_KEEPALIVE,
 ]
+_MESSAGE_LIMITS = ("grpc.max_send_message_length", "grpc.max_receive_message_length")
 # Channels to other nodes for what is not a ring link (queue calls relayed to a master, AddOnRight):
-# they carry whole client messages, so the server's limits, not the ring's fragment-sized ones.
+# they carry whole client messages, so the server's limits, not the ring's fragment-sized ones; and
+# they reconnect as quickly as ring links after a peer restarts (gRPC's default backoff reaches minutes).
 PEER_CHANNEL_OPTIONS = [
-    *((name, value) for name, value in CHANNEL_OPTIONS if not name.startswith("grpc.max_")),
-    ("grpc.max_send_message_length", MAX_GRPC_MESSAGE_BYTES),
-    ("grpc.max_receive_message_length", MAX_GRPC_MESSAGE_BYTES),
+    *((name, value) for name, value in CHANNEL_OPTIONS if name not in _MESSAGE_LIMITS),
+    *((name, MAX_GRPC_MESSAGE_BYTES) for name in _MESSAGE_LIMITS),
 ]
 # A Delivery event carries at most this many payload bytes (but always at
 # least one payload), so one flush of many large payloads becomes several events.
