@@ -331,8 +331,11 @@ class Node:
         neighbours = member.neighbours
         node = neighbours.left_node if suspect == neighbours.left else neighbours.right_node
         if self._suspected(node):
-            log.info("member %s: neighbour %s on %s is down", member_id, suspect, node)
-            member.post(lambda core: core.on_neighbour_down(suspect))
+            silent_seconds = self.links.silent_for(node)
+            evidence = f"silent {silent_seconds:.1f} s" if silent_seconds > self.settings.failure_timeout else ""
+            evidence = evidence or "its port refuses connections"
+            log.info("member %s: neighbour %s on %s is down (%s)", member_id, suspect, node, evidence)
+            member.post(lambda core: core.on_neighbour_down(suspect, evidence))
 
 
 def _events_to_proto(event: Deliver | MembersChanged) -> list[group_pb2.GroupEvent]:

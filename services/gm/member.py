@@ -6,7 +6,9 @@ deliveries to the application, resolving confirmed broadcasts, reading and
 writing the group table (each awaited before the next input, as the ring's
 contract asks), flush timers, and the join handshake. Guarantees: inputs are
 processed strictly one after another in arrival order; a protocol violation
-stops the member (it never carries on with a state it cannot trust).
+stops the member (it never carries on with a state it cannot trust); every
+write that records a member dead is logged at INFO with its group, the
+member, the ring's reason and the outcome.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-from services.coordinator.group_table import Group, GroupChange, Outcome
+from services.coordinator.group_table import Group, GroupChange, MarkMemberDead, Outcome
 from services.gm.messages import (
     Action,
     AddOnRightReply,
@@ -211,6 +213,7 @@ class MemberShell:
             return core.on_group(await self.host.read_group(group))
         elif isinstance(action, WriteGroup):
             outcome, written = await self.host.change_group(group, action.change)
+            _log_write(group, action, outcome, written)
             return core.on_group_written(outcome, written)
         elif isinstance(action, StartFlushTimer):
             if not self._flush_armed:
@@ -258,12 +261,13 @@ class MemberShell:
     async def _request_add(self, left: str, node: str) -> None:
         try:
             group = await self.host.add_on_right(self.core.group_name, left, node, self.id)
-        except ConnectionError:
-            self.post(lambda core: core.on_join_failed(left, unreachable=True))
+        except ConnectionError as error:
+            evidence = str(error)
+            self.post(lambda core: core.on_join_failed(left, down_evidence=evidence))
             return
         if group is None:
             await asyncio.sleep(0.05)  # the member asked is still joining itself
-            self.post(lambda core: core.on_join_failed(left, unreachable=False))
+            self.post(lambda core: core.on_join_failed(left, down_evidence=None))
         else:
             self.post(lambda core: core.on_join_reply(group))
 
@@ -284,3 +288,18 @@ class MemberShell:
         self.events(stopped)
         self._done.set()
         self.host.neighbours_changed()
+
+
+def _log_write(group: str, write: WriteGroup, outcome: Outcome, written: Group) -> None:
+    """Log a write that records a member dead at INFO (any other at DEBUG), with its reason and outcome."""
+    change = write.change
+    if not isinstance(change, MarkMemberDead):
+        log.debug("group %s: %s (reason: %s): %s", group, type(change).__name__, write.reason, outcome.name)
+        return
+    member = change.member
+    if outcome is not Outcome.APPLIED:
+        log.info("group %s: did not record %s dead (reason: %s): %s", group, member, write.reason, outcome.name)
+    elif written.version > change.expected_version:
+        log.info("group %s: recorded %s dead (reason: %s)", group, member, write.reason)
+    else:
+        log.info("group %s: %s was already recorded dead (reason: %s)", group, member, write.reason)
