@@ -9,6 +9,12 @@ processed strictly one after another in arrival order; a protocol violation
 stops the member (it never carries on with a state it cannot trust); every
 write that records a member dead is logged at INFO with its group, the
 member, the ring's reason and the outcome.
+
+The join handshake: while the member asks another to add it (`join_request`),
+it watches that member like a neighbour (`watched`); the host keeps asking
+through silence and reconnect backoff, and only an answer or the host's
+failure detector (`report_down`) ends the request. An answer that the target
+is not hosted on its node means it is gone; "not ready" means choose again.
 """
 
 from __future__ import annotations
@@ -44,6 +50,13 @@ from services.gm.ring import ProtocolViolation, RingMember
 log = logging.getLogger("ringq.member")
 
 MemberEvent = Joined | Deliver | MembersChanged | Stopped
+# How long to wait before choosing again after the member asked answered "not ready".
+NOT_READY_PAUSE_SECONDS = 0.05
+
+
+class NotHosted(Exception):
+    """The join target's node answered that it does not host that member: it is gone
+    (its node restarted, or it stopped)."""
 
 
 class MemberHost(Protocol):
@@ -59,7 +72,12 @@ class MemberHost(Protocol):
 
     def link_idle(self, node: str) -> bool: ...
 
-    async def add_on_right(self, group: str, left: str, node: str, newcomer: str) -> Group | None: ...
+    async def add_on_right(self, group: str, left: str, node: str, newcomer: str) -> Group | None:
+        """Ask `left` on `node` to add `newcomer` on its right: the group including
+        the newcomer, or None if `left` answered that it cannot add members now.
+        Raises NotHosted if `node` answered that it does not host `left`. Keeps
+        asking while there is no answer; the caller cancels it."""
+        ...
 
     def neighbours_changed(self) -> None: ...
 
@@ -72,6 +90,27 @@ class Neighbours:
     right_node: str
 
 
+@dataclass(frozen=True)
+class Watched:
+    """A member this one watches for failure, on `node`. `since` (time.monotonic())
+    is when the watch began, for a join target: its silence counts from then at
+    the earliest; None for a neighbour (its link's silence counts as it is)."""
+
+    member: str
+    node: str
+    since: float | None = None
+
+
+@dataclass
+class JoinRequest:
+    """An AddOnRight request to `left` on `node`, outstanding since `since`."""
+
+    left: str
+    node: str
+    since: float
+    task: asyncio.Future[None]
+
+
 class MemberShell:
     """Runs one RingMember; `events` receives what the application should see."""
 
@@ -80,6 +119,7 @@ class MemberShell:
         self.core = core
         self.events = events
         self.neighbours: Neighbours | None = None
+        self.join_request: JoinRequest | None = None
         # When a ring message last arrived, and when membership was last
         # re-checked for want of one (services/node.py drives both).
         self.last_ring_input = time.monotonic()
@@ -162,6 +202,32 @@ class MemberShell:
     def leave(self) -> None:
         self.post(lambda core: core.leave())
 
+    # ------------------------------------------------------- failure detection
+
+    def watched(self) -> list[Watched]:
+        """The members to watch for failure: the neighbours, or while joining the member asked to add us."""
+        if self.stopped is not None:
+            return []
+        out: list[Watched] = []
+        if self.neighbours is not None:
+            out.append(Watched(self.neighbours.left, self.neighbours.left_node))
+            out.append(Watched(self.neighbours.right, self.neighbours.right_node))
+        if self.join_request is not None:
+            request = self.join_request
+            out.append(Watched(request.left, request.node, request.since))
+        return out
+
+    def report_down(self, member: str, evidence: str) -> None:
+        """The host's failure detector gave up on `member` (a neighbour, or the
+        join target: its request is abandoned); `evidence` says why."""
+        request = self.join_request
+        if request is not None and request.left == member:
+            request.task.cancel()
+            self._end_join_request()
+            self.post(lambda core: core.on_join_failed(member, down_evidence=evidence))
+        else:
+            self.post(lambda core: core.on_neighbour_down(member, evidence))
+
     # ------------------------------------------------------------------- loop
 
     def _guard(
@@ -232,6 +298,8 @@ class MemberShell:
             task = asyncio.ensure_future(self._request_add(action.left, action.node))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
+            self.join_request = JoinRequest(action.left, action.node, time.monotonic(), task)
+            self.host.neighbours_changed()
         elif isinstance(action, AddOnRightReply):
             reply = self._add_replies.pop(action.newcomer, None)
             if reply is not None and not reply.done():
@@ -259,17 +327,29 @@ class MemberShell:
         self._confirms = still
 
     async def _request_add(self, left: str, node: str) -> None:
+        """Ask `left` to add us; report its answer. Silence is the failure detector's
+        business: it cancels this task through `report_down`."""
         try:
             group = await self.host.add_on_right(self.core.group_name, left, node, self.id)
-        except ConnectionError as error:
+        except NotHosted as error:
             evidence = str(error)
+            self._end_join_request()
             self.post(lambda core: core.on_join_failed(left, down_evidence=evidence))
             return
+        except Exception as error:
+            log.warning("member %s: asking %s on %s to add it failed: %r; choosing again", self.id, left, node, error)
+            group = None
+        self._end_join_request()  # an answer: whatever it says, the target's node lives
         if group is None:
-            await asyncio.sleep(0.05)  # the member asked is still joining itself
+            await asyncio.sleep(NOT_READY_PAUSE_SECONDS)  # the member asked is still joining itself
             self.post(lambda core: core.on_join_failed(left, down_evidence=None))
         else:
             self.post(lambda core: core.on_join_reply(group))
+
+    def _end_join_request(self) -> None:
+        if self.join_request is not None:
+            self.join_request = None
+            self.host.neighbours_changed()
 
     def _finish(self, stopped: Stopped) -> None:
         if self.stopped is not None:
@@ -285,6 +365,9 @@ class MemberShell:
         for reply in self._add_replies.values():
             if not reply.done():
                 reply.set_result(None)
+        if self.join_request is not None:
+            self.join_request.task.cancel()
+            self.join_request = None
         self.events(stopped)
         self._done.set()
         self.host.neighbours_changed()

@@ -162,7 +162,9 @@ class ChooseLeft:
 @dataclass(frozen=True, slots=True)
 class RequestAddOnRight:
     """Ask `left` (on `node`) to add this member right of itself; report with
-    `on_join_reply` or `on_join_failed`."""
+    `on_join_reply` or `on_join_failed`. The shell keeps asking while `left`'s
+    node is silent; only its failure detector (or an answer that `left` is not
+    hosted there) may report `left` down."""
 
     left: str
     node: str

@@ -117,9 +117,16 @@ deterministically.
 Who is recorded dead: a member records another dead only on the shell's
 word, given with its evidence: `on_neighbour_down(member, evidence)` for a
 neighbour, `on_join_failed(left, evidence)` for the member it asked to add
-it (no evidence: it refused, "not ready", and the member only chooses
-again). Every `WriteGroup` carries the reason of its change in words (for a
-death: whose, on which node, and the evidence), for the shell to log.
+it. The shell says so only once that member's node has been unreachable
+continuously for the failure timeout and still is after a grace, or has
+answered that it does not host that member (its node restarted). A join
+request that merely failed (no answer yet: the target's node was slow, or
+the channel to it was still backing off from an earlier outage) is a
+suspicion like any other, checked by the same failure detector, and is
+never reported as a death; a refusal ("not ready") is reported with no
+evidence and only makes the member choose again. Every `WriteGroup` carries
+the reason of its change in words (for a death: whose, on which node, and
+the evidence), for the shell to log.
 """
 
 from __future__ import annotations
