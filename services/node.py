@@ -3,11 +3,19 @@
 Responsible for: serving PeerService (links to other nodes, AddOnRight) and
 GroupService (applications joining groups) on one gRPC port, routing ring
 messages to the member of their group, registering with the coordinator, and
-detecting failed neighbours: a neighbour's node silent for the failure timeout,
+detecting failed members: a neighbour's node silent for the failure timeout,
 or whose link broke and whose port then refused a new connection (its process
 is gone: no need to wait out the timeout), and still so after a short grace
 (a partial partition may heal in between), is reported to the member, which
-records the death in the group table.
+records the death in the group table. The member a joiner asks to add it (its
+join target) is watched the same way, over a link kept up to its node for the
+purpose: a failed AddOnRight is only a suspicion. It is reported once its node
+has been silent for the failure timeout, counted from its last sign of life
+but never from before the request began, and still is after the grace; a
+refused port does not shorten that for a join target (a channel still backing
+off from an outage reports the old refusal after the node is back). Any answer
+ends the suspicion; only "not hosted here" (the member is gone) records it dead
+at once.
 Guarantees: a node hosts at most one member per group; ring messages for a
 member this node does not host are dropped; SIGTERM makes every member leave
 gracefully before the process exits.
@@ -40,7 +48,7 @@ from services.coordinator.group_table import Group, GroupChange, Outcome
 from services.coordinator.server import group_name_problem
 from services.gm import wire
 from services.gm.links import CHANNEL_OPTIONS, LinkManager
-from services.gm.member import MemberEvent, MemberShell
+from services.gm.member import MemberEvent, MemberShell, NotHosted, Watched
 from services.gm.messages import Action, Deliver, Joined, MembersChanged, RingMessage, Stopped
 from services.gm.ring import NotJoined, RingMember
 from services.queue.manager import QueueManager
@@ -63,13 +71,18 @@ SERVER_OPTIONS = [
     ("grpc.max_receive_message_length", MAX_GRPC_MESSAGE_BYTES),
     *SERVER_KEEPALIVE,
 ]
+_MESSAGE_LIMITS = ("grpc.max_send_message_length", "grpc.max_receive_message_length")
 # Channels to other nodes for what is not a ring link (queue calls relayed to a master, AddOnRight):
-# they carry whole client messages, so the server's limits, not the ring's fragment-sized ones.
+# they carry whole client messages, so the server's limits, not the ring's fragment-sized ones; and
+# they reconnect as quickly as ring links after a peer restarts (gRPC's default backoff reaches minutes).
 PEER_CHANNEL_OPTIONS = [
-    *((name, value) for name, value in CHANNEL_OPTIONS if not name.startswith("grpc.max_")),
-    ("grpc.max_send_message_length", MAX_GRPC_MESSAGE_BYTES),
-    ("grpc.max_receive_message_length", MAX_GRPC_MESSAGE_BYTES),
+    *((name, value) for name, value in CHANNEL_OPTIONS if name not in _MESSAGE_LIMITS),
+    *((name, MAX_GRPC_MESSAGE_BYTES) for name in _MESSAGE_LIMITS),
 ]
+# AddOnRight statuses that are no answer from the node (its channel could not reach it in time):
+# the request is asked again; anything else came from the node, which therefore lives.
+NO_ANSWER_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED})
+JOIN_RETRY_PAUSE_SECONDS = 0.05
 # A Delivery event carries at most this many payload bytes (but always at
 # least one payload), so one flush of many large payloads becomes several events.
 MAX_DELIVERY_EVENT_BYTES = 4 * 1024 * 1024
@@ -222,34 +235,34 @@ class Node:
         return self.links.is_idle(node)
 
     async def add_on_right(self, group: str, left: str, node: str, newcomer: str) -> Group | None:
-        deadline = time.monotonic() + self.settings.failure_timeout
+        """MemberHost.add_on_right: asks until `node` answers. Each attempt waits through the
+        channel's reconnect backoff for up to the failure timeout; whether `left` is down is
+        the failure detector's call (the member watches its join target), never this one's."""
         request = peer_pb2.AddOnRightRequest(group=group, left=left, newcomer=newcomer, newcomer_node=self.id)
         while True:
             address = await self.address_of(node)
             if address is not None:
                 stub = peer_pb2_grpc.PeerServiceStub(self.peer_channel(address))
                 try:
-                    response = await stub.AddOnRight(request, timeout=self.settings.failure_timeout + 5.0)
+                    response = await stub.AddOnRight(
+                        request, timeout=self.settings.failure_timeout, wait_for_ready=True
+                    )
                     return group_from_proto(response.group)
                 except grpc.aio.AioRpcError as error:
-                    if error.code() == grpc.StatusCode.FAILED_PRECONDITION:
-                        return None  # it is still joining itself: ask again
-                    if error.code() == grpc.StatusCode.NOT_FOUND:
+                    code = error.code()
+                    if code == grpc.StatusCode.NOT_FOUND:
                         # Its node does not host it (the node restarted): it is gone.
-                        raise ConnectionError(f"{left} is not hosted on {node}") from error
-                    if error.code() != grpc.StatusCode.UNAVAILABLE:
-                        raise ConnectionError(f"AddOnRight to {left}: {error.code().name}") from error
+                        raise NotHosted("its node answered that it does not host it") from error
+                    if code not in NO_ANSWER_CODES:
+                        if code != grpc.StatusCode.FAILED_PRECONDITION:  # not "still joining itself"
+                            log.warning("AddOnRight to %s on %s: %s %s", left, node, code.name, error.details())
+                        return None  # the member will choose again
                     self.forget_address(node)  # it may have restarted on another port
-            if time.monotonic() > deadline:
-                raise ConnectionError(f"{left} on {node} is unreachable")
-            await asyncio.sleep(0.05)
+            await asyncio.sleep(JOIN_RETRY_PAUSE_SECONDS)
 
     def neighbours_changed(self) -> None:
-        peers: set[str] = set()
-        for member in self.members.values():
-            if member.neighbours is not None and member.stopped is None:
-                peers.update((member.neighbours.left_node, member.neighbours.right_node))
-        self.links.want(peers)
+        """Keep links up to every node hosting a member ours watch (neighbours, join targets)."""
+        self.links.want({watched.node for member in self.members.values() for watched in member.watched()})
 
     # ------------------------------------------------------------------ links
 
@@ -296,15 +309,9 @@ class Node:
             await asyncio.sleep(settings.heartbeat_interval / 2)
             suspects: set[tuple[str, str]] = set()
             for member in list(self.members.values()):
-                neighbours = member.neighbours
-                if neighbours is None or member.stopped is not None:
-                    continue
-                for suspect, node in (
-                    (neighbours.left, neighbours.left_node),
-                    (neighbours.right, neighbours.right_node),
-                ):
-                    if node != self.id and self._suspected(node):
-                        suspects.add((member.id, suspect))
+                for watched in member.watched():
+                    if watched.node != self.id and self._suspicion(watched) is not None:
+                        suspects.add((member.id, watched.member))
             self._reported &= suspects
             now = time.monotonic()
             for member in list(self.members.values()):
@@ -322,20 +329,29 @@ class Node:
                 self._tasks.add(task)
                 task.add_done_callback(self._tasks.discard)
 
-    def _suspected(self, node: str) -> bool:
-        """Silent for the failure timeout, or its link broke and its port refuses a new one (process gone)."""
-        return self.links.silent_for(node) > self.settings.failure_timeout or self.links.refused(node)
+    def _suspicion(self, watched: Watched) -> str | None:
+        """Why `watched`'s node is suspected (the evidence), or None: silent for the failure
+        timeout (for a join target, not counting from before the watch began), or, for a
+        neighbour, its link broke and its port refuses a new one (its process is gone)."""
+        silent_seconds = self.links.silent_for(watched.node)
+        if watched.since is not None:
+            silent_seconds = min(silent_seconds, time.monotonic() - watched.since)
+        if silent_seconds > self.settings.failure_timeout:
+            return f"silent {silent_seconds:.1f} s"
+        if watched.since is None and self.links.refused(watched.node):
+            return "its port refuses connections"
+        return None
 
     async def _report_after_grace(self, member_id: str, suspect: str) -> None:
         await asyncio.sleep(self.settings.grace)
         member = self.member_by_id(member_id)
-        if member is None or member.neighbours is None:
+        watched = next((w for w in member.watched() if w.member == suspect), None) if member else None
+        if member is None or watched is None:
             return
-        neighbours = member.neighbours
-        node = neighbours.left_node if suspect == neighbours.left else neighbours.right_node
-        if self._suspected(node):
-            log.info("member %s: neighbour %s on %s is down", member_id, suspect, node)
-            member.post(lambda core: core.on_neighbour_down(suspect))
+        evidence = self._suspicion(watched)
+        if evidence is not None:
+            log.info("member %s: %s on %s is down (%s)", member_id, suspect, watched.node, evidence)
+            member.report_down(suspect, evidence)
 
 
 def _events_to_proto(event: Deliver | MembersChanged) -> list[group_pb2.GroupEvent]:

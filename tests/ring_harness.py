@@ -136,4 +136,4 @@ class Harness:
                 queue.clear()
 
     def notice_death(self, watcher: str, member: str) -> None:
-        self.run(watcher, self.cores[watcher].on_neighbour_down(member))
+        self.run(watcher, self.cores[watcher].on_neighbour_down(member, "crashed"))

@@ -7,7 +7,18 @@ from __future__ import annotations
 
 import pytest
 
-from services.gm.messages import Activity, Catchup, PublisherActivity, ReadGroup, RingMessage, StartFlushTimer
+from services.coordinator.group_table import Group, GroupMember, MarkMemberDead
+from services.gm.messages import (
+    Activity,
+    Catchup,
+    ChooseLeft,
+    PublisherActivity,
+    ReadGroup,
+    RequestAddOnRight,
+    RingMessage,
+    StartFlushTimer,
+    WriteGroup,
+)
 from services.gm.ring import NotJoined, ProtocolViolation, RingMember
 from tests.ring_harness import Harness
 
@@ -257,3 +268,42 @@ def test_a_member_recorded_dead_behind_its_back_stops_when_it_checks() -> None:
     h.run("b", h.cores["b"].check_membership())
     stopped = h.seen["b"].stopped
     assert stopped is not None and stopped.reason in ("recorded dead", "erased from the group")
+
+
+def test_a_neighbour_is_recorded_dead_with_its_node_and_the_evidence() -> None:
+    """Who is recorded dead: the write names the neighbour, its node and the detector's evidence."""
+    h = Harness()
+    h.ring("a", "b", "c")
+    h.crash("c")
+    b = h.cores["b"]
+    assert b.view is not None
+    actions = b.on_neighbour_down("c", "silent 2.1 s")
+    assert actions == [
+        WriteGroup(MarkMemberDead(b.view.version, "c", "b"), "neighbour c on node-c down (silent 2.1 s)")
+    ]
+    h.run("b", actions)
+    assert not h.group.is_alive("c")
+
+
+def test_a_join_target_that_refused_is_chosen_again_and_only_evidence_records_it_dead() -> None:
+    """Who is recorded dead: "not ready" re-reads the table; only the shell's finding that the
+    target is gone writes its death, with the evidence as the reason."""
+    table = Group("g", 1, (GroupMember("a", "node-a"),))
+    joiner = RingMember("g", "b", "node-b")
+    assert joiner.start() == [ReadGroup(0)]
+    assert joiner.on_group(table) == [ChooseLeft(("a",))]
+    assert joiner.join_via("a") == [RequestAddOnRight("a", "node-a")]
+    assert joiner.on_join_failed("a", down_evidence=None) == [ReadGroup(0)], "a refusal is no death"
+    assert joiner.on_group(table) == [ChooseLeft(("a",))]
+    joiner.join_via("a")
+    assert joiner.on_join_failed("a", down_evidence="silent 2.1 s") == [
+        WriteGroup(MarkMemberDead(1, "a", ""), "join target a on node-a down (silent 2.1 s)")
+    ]
+
+
+def test_a_member_leaving_records_itself_dead_for_that_reason() -> None:
+    h = Harness()
+    h.ring("a", "b")
+    a = h.cores["a"]
+    assert a.view is not None
+    assert a.leave() == [WriteGroup(MarkMemberDead(a.view.version, "a", "a"), "left the group")]

@@ -6,7 +6,15 @@ deliveries to the application, resolving confirmed broadcasts, reading and
 writing the group table (each awaited before the next input, as the ring's
 contract asks), flush timers, and the join handshake. Guarantees: inputs are
 processed strictly one after another in arrival order; a protocol violation
-stops the member (it never carries on with a state it cannot trust).
+stops the member (it never carries on with a state it cannot trust); every
+write that records a member dead is logged at INFO with its group, the
+member, the ring's reason and the outcome.
+
+The join handshake: while the member asks another to add it (`join_request`),
+it watches that member like a neighbour (`watched`); the host keeps asking
+through silence and reconnect backoff, and only an answer or the host's
+failure detector (`report_down`) ends the request. An answer that the target
+is not hosted on its node means it is gone; "not ready" means choose again.
 """
 
 from __future__ import annotations
@@ -19,7 +27,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-from services.coordinator.group_table import Group, GroupChange, Outcome
+from services.coordinator.group_table import Group, GroupChange, MarkMemberDead, Outcome
 from services.gm.messages import (
     Action,
     AddOnRightReply,
@@ -42,6 +50,13 @@ from services.gm.ring import ProtocolViolation, RingMember
 log = logging.getLogger("ringq.member")
 
 MemberEvent = Joined | Deliver | MembersChanged | Stopped
+# How long to wait before choosing again after the member asked answered "not ready".
+NOT_READY_PAUSE_SECONDS = 0.05
+
+
+class NotHosted(Exception):
+    """The join target's node answered that it does not host that member: it is gone
+    (its node restarted, or it stopped)."""
 
 
 class MemberHost(Protocol):
@@ -57,7 +72,12 @@ class MemberHost(Protocol):
 
     def link_idle(self, node: str) -> bool: ...
 
-    async def add_on_right(self, group: str, left: str, node: str, newcomer: str) -> Group | None: ...
+    async def add_on_right(self, group: str, left: str, node: str, newcomer: str) -> Group | None:
+        """Ask `left` on `node` to add `newcomer` on its right: the group including
+        the newcomer, or None if `left` answered that it cannot add members now.
+        Raises NotHosted if `node` answered that it does not host `left`. Keeps
+        asking while there is no answer; the caller cancels it."""
+        ...
 
     def neighbours_changed(self) -> None: ...
 
@@ -70,6 +90,27 @@ class Neighbours:
     right_node: str
 
 
+@dataclass(frozen=True)
+class Watched:
+    """A member this one watches for failure, on `node`. `since` (time.monotonic())
+    is when the watch began, for a join target: its silence counts from then at
+    the earliest; None for a neighbour (its link's silence counts as it is)."""
+
+    member: str
+    node: str
+    since: float | None = None
+
+
+@dataclass
+class JoinRequest:
+    """An AddOnRight request to `left` on `node`, outstanding since `since`."""
+
+    left: str
+    node: str
+    since: float
+    task: asyncio.Future[None]
+
+
 class MemberShell:
     """Runs one RingMember; `events` receives what the application should see."""
 
@@ -78,6 +119,7 @@ class MemberShell:
         self.core = core
         self.events = events
         self.neighbours: Neighbours | None = None
+        self.join_request: JoinRequest | None = None
         # When a ring message last arrived, and when membership was last
         # re-checked for want of one (services/node.py drives both).
         self.last_ring_input = time.monotonic()
@@ -160,6 +202,32 @@ class MemberShell:
     def leave(self) -> None:
         self.post(lambda core: core.leave())
 
+    # ------------------------------------------------------- failure detection
+
+    def watched(self) -> list[Watched]:
+        """The members to watch for failure: the neighbours, or while joining the member asked to add us."""
+        if self.stopped is not None:
+            return []
+        out: list[Watched] = []
+        if self.neighbours is not None:
+            out.append(Watched(self.neighbours.left, self.neighbours.left_node))
+            out.append(Watched(self.neighbours.right, self.neighbours.right_node))
+        if self.join_request is not None:
+            request = self.join_request
+            out.append(Watched(request.left, request.node, request.since))
+        return out
+
+    def report_down(self, member: str, evidence: str) -> None:
+        """The host's failure detector gave up on `member` (a neighbour, or the
+        join target: its request is abandoned); `evidence` says why."""
+        request = self.join_request
+        if request is not None and request.left == member:
+            request.task.cancel()
+            self._end_join_request()
+            self.post(lambda core: core.on_join_failed(member, down_evidence=evidence))
+        else:
+            self.post(lambda core: core.on_neighbour_down(member, evidence))
+
     # ------------------------------------------------------------------- loop
 
     def _guard(
@@ -211,6 +279,7 @@ class MemberShell:
             return core.on_group(await self.host.read_group(group))
         elif isinstance(action, WriteGroup):
             outcome, written = await self.host.change_group(group, action.change)
+            _log_write(group, action, outcome, written)
             return core.on_group_written(outcome, written)
         elif isinstance(action, StartFlushTimer):
             if not self._flush_armed:
@@ -229,6 +298,8 @@ class MemberShell:
             task = asyncio.ensure_future(self._request_add(action.left, action.node))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
+            self.join_request = JoinRequest(action.left, action.node, time.monotonic(), task)
+            self.host.neighbours_changed()
         elif isinstance(action, AddOnRightReply):
             reply = self._add_replies.pop(action.newcomer, None)
             if reply is not None and not reply.done():
@@ -256,16 +327,29 @@ class MemberShell:
         self._confirms = still
 
     async def _request_add(self, left: str, node: str) -> None:
+        """Ask `left` to add us; report its answer. Silence is the failure detector's
+        business: it cancels this task through `report_down`."""
         try:
             group = await self.host.add_on_right(self.core.group_name, left, node, self.id)
-        except ConnectionError:
-            self.post(lambda core: core.on_join_failed(left, unreachable=True))
+        except NotHosted as error:
+            evidence = str(error)
+            self._end_join_request()
+            self.post(lambda core: core.on_join_failed(left, down_evidence=evidence))
             return
+        except Exception as error:
+            log.warning("member %s: asking %s on %s to add it failed: %r; choosing again", self.id, left, node, error)
+            group = None
+        self._end_join_request()  # an answer: whatever it says, the target's node lives
         if group is None:
-            await asyncio.sleep(0.05)  # the member asked is still joining itself
-            self.post(lambda core: core.on_join_failed(left, unreachable=False))
+            await asyncio.sleep(NOT_READY_PAUSE_SECONDS)  # the member asked is still joining itself
+            self.post(lambda core: core.on_join_failed(left, down_evidence=None))
         else:
             self.post(lambda core: core.on_join_reply(group))
+
+    def _end_join_request(self) -> None:
+        if self.join_request is not None:
+            self.join_request = None
+            self.host.neighbours_changed()
 
     def _finish(self, stopped: Stopped) -> None:
         if self.stopped is not None:
@@ -281,6 +365,24 @@ class MemberShell:
         for reply in self._add_replies.values():
             if not reply.done():
                 reply.set_result(None)
+        if self.join_request is not None:
+            self.join_request.task.cancel()
+            self.join_request = None
         self.events(stopped)
         self._done.set()
         self.host.neighbours_changed()
+
+
+def _log_write(group: str, write: WriteGroup, outcome: Outcome, written: Group) -> None:
+    """Log a write that records a member dead at INFO (any other at DEBUG), with its reason and outcome."""
+    change = write.change
+    if not isinstance(change, MarkMemberDead):
+        log.debug("group %s: %s (reason: %s): %s", group, type(change).__name__, write.reason, outcome.name)
+        return
+    member = change.member
+    if outcome is not Outcome.APPLIED:
+        log.info("group %s: did not record %s dead (reason: %s): %s", group, member, write.reason, outcome.name)
+    elif written.version > change.expected_version:
+        log.info("group %s: recorded %s dead (reason: %s)", group, member, write.reason)
+    else:
+        log.info("group %s: %s was already recorded dead (reason: %s)", group, member, write.reason)

@@ -136,9 +136,15 @@ class ReadGroup:
 
 @dataclass(frozen=True, slots=True)
 class WriteGroup:
-    """Apply `change` in the coordinator and call `on_group_written` before any other input."""
+    """Apply `change` in the coordinator and call `on_group_written` before any other input.
+
+    `reason` says in words why the member wants the change (for a member
+    recorded dead: which neighbour or join target, on which node, and the
+    evidence), so the shell can log every death with its cause.
+    """
 
     change: GroupChange
+    reason: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,7 +162,9 @@ class ChooseLeft:
 @dataclass(frozen=True, slots=True)
 class RequestAddOnRight:
     """Ask `left` (on `node`) to add this member right of itself; report with
-    `on_join_reply` or `on_join_failed`."""
+    `on_join_reply` or `on_join_failed`. The shell keeps asking while `left`'s
+    node is silent; only its failure detector (or an answer that `left` is not
+    hosted there) may report `left` down."""
 
     left: str
     node: str

@@ -121,6 +121,20 @@ dropped as forged. The state machine
 has no clock, socket, thread or random choice: timers, failure detection and
 choice of a join target are the shell's, so a simulator can drive it
 deterministically.
+
+Who is recorded dead: a member records another dead only on the shell's
+word, given with its evidence: `on_neighbour_down(member, evidence)` for a
+neighbour, `on_join_failed(left, evidence)` for the member it asked to add
+it. The shell says so only once that member's node has been unreachable
+continuously for the failure timeout and still is after a grace, or has
+answered that it does not host that member (its node restarted). A join
+request that merely failed (no answer yet: the target's node was slow, or
+the channel to it was still backing off from an earlier outage) is a
+suspicion like any other, checked by the same failure detector, and is
+never reported as a death; a refusal ("not ready") is reported with no
+evidence and only makes the member choose again. Every `WriteGroup` carries
+the reason of its change in words (for a death: whose, on which node, and
+the evidence), for the shell to log.
 """
 
 from __future__ import annotations
@@ -195,9 +209,13 @@ class _Publisher:
 
 @dataclass(frozen=True, slots=True)
 class _Intent:
-    """A group change this member wants; re-decided against each new version."""
+    """A group change this member wants; re-decided against each new version.
+
+    `reason` says why, in words for the log: it travels with the `WriteGroup`.
+    """
 
     kind: str  # "create" | "add" | "mark_dead" | "abandon" | "leave"
+    reason: str
     member: str = ""
     node: str = ""
 
@@ -325,7 +343,7 @@ class RingMember:
         if newcomer in self.view.known:
             return [AddOnRightReply(newcomer, self._group)]  # a retried request
         self._adding[newcomer] = node
-        self._intents.append(_Intent("add", newcomer, node))
+        self._intents.append(_Intent("add", f"{newcomer} on {node} asked to join on our right", newcomer, node))
         return self._next_write()
 
     def join_via(self, left: str) -> list[Action]:
@@ -338,26 +356,35 @@ class RingMember:
         """The member asked to add us answered with the group including us."""
         return self.on_group(group)
 
-    def on_join_failed(self, left: str, unreachable: bool) -> list[Action]:
-        """The member asked to add us refused (not ready) or could not be reached."""
+    def on_join_failed(self, left: str, down_evidence: str | None) -> list[Action]:
+        """The member asked to add us did not. `down_evidence` None: it answered
+        that it cannot add members now (it is still joining itself), so choose
+        again. Otherwise the shell found `left` gone, and this says how (its node
+        silent past the failure timeout and the grace, or answering that it does
+        not host `left`): `left` is recorded dead. A join that merely failed,
+        with no such finding, must never be reported this way (see the header)."""
         self._expect_no_io()
         if self.stopped or self._was_member:
             return []
         self._adder = None
-        if unreachable:
-            self._intents.append(_Intent("mark_dead", left))
+        if down_evidence is not None:
+            node = self.view.nodes.get(left, "?") if self.view else "?"
+            reason = f"join target {left} on {node} down ({down_evidence})"
+            self._intents.append(_Intent("mark_dead", reason, left))
             return self._next_write()
         return self._read(0)
 
-    def on_neighbour_down(self, member: str) -> list[Action]:
-        """The failure detector gave up on `member` (after its grace period)."""
+    def on_neighbour_down(self, member: str, evidence: str) -> list[Action]:
+        """The failure detector gave up on `member` (after its grace period);
+        `evidence` says why (e.g. "silent 2.1 s"), for the record."""
         self._expect_no_io()
         if self.stopped or self.view is None or self.id not in self.view.live:
             return []
         me = self.view.live[self.id]
         if member not in (me.left, me.right) or member == self.id or member not in self.view.live:
             return []
-        self._intents.append(_Intent("mark_dead", member))
+        reason = f"neighbour {member} on {self.view.nodes[member]} down ({evidence})"
+        self._intents.append(_Intent("mark_dead", reason, member))
         return self._next_write()
 
     def leave(self) -> list[Action]:
@@ -368,7 +395,7 @@ class RingMember:
         if self.view is None or self.id not in self.view.live:
             return self._stop("left")
         actions = self.flush()
-        self._intents.append(_Intent("leave"))
+        self._intents.append(_Intent("leave", "left the group"))
         return actions + self._next_write()
 
     def check_membership(self) -> list[Action]:
@@ -419,7 +446,7 @@ class RingMember:
         alive = group.alive_ids()
         self.view = view_of(group)
         if not alive:
-            self._intents = [_Intent("create")]
+            self._intents = [_Intent("create", "no live member: starting the group")]
             return self._next_write()
         return [ChooseLeft(tuple(alive))]
 
@@ -448,11 +475,12 @@ class RingMember:
                 self._intents.pop(0)
                 continue
             self._awaiting = "write"
-            return [WriteGroup(change)]
+            return [WriteGroup(change, intent.reason)]
         erasable = self._erasable()
         if erasable:
             self._awaiting = "write"
-            return [WriteGroup(EraseMembers(group_version, tuple(erasable), self.id))]
+            reason = f"nothing of {', '.join(erasable)} is in flight any more"
+            return [WriteGroup(EraseMembers(group_version, tuple(erasable), self.id), reason)]
         return []
 
     def _change_for(self, intent: _Intent, version: int) -> GroupChange | None:
@@ -503,7 +531,7 @@ class RingMember:
                 # Alone: no one else can hold anything; start empty.
                 return actions + self._start_state({}, new)
             if self._adder is not None and self._adder not in new.live:
-                self._intents = [_Intent("abandon")]
+                self._intents = [_Intent("abandon", f"join interrupted: {self._adder}, adding us, died")]
             return actions
         for publisher in [p for p in self.publishers if p not in new.known]:
             del self.publishers[publisher]

@@ -215,7 +215,7 @@ class Simulation:
         def fire() -> None:
             watcher.detecting.discard(suspect)
             if not watcher.gone:
-                self._execute(watcher, watcher.core.on_neighbour_down(suspect))
+                self._execute(watcher, watcher.core.on_neighbour_down(suspect, "crashed"))
 
         self._at(self.rng.uniform(0.5, self.config.max_detect_delay), fire)
 
@@ -243,6 +243,7 @@ class Simulation:
         elif isinstance(action, ReadGroup):
             return core.on_group(self.group)
         elif isinstance(action, WriteGroup):
+            assert action.reason, f"{member.id} wrote {action.change} without a reason"
             outcome, group = self._write(action.change)
             return core.on_group_written(outcome, group)
         elif isinstance(action, StartFlushTimer):
@@ -298,7 +299,7 @@ class Simulation:
         left = self.members.get(left_id)
         if left is None or left.gone:
             if not joiner.gone:
-                self._execute(joiner, joiner.core.on_join_failed(left_id, unreachable=True))
+                self._execute(joiner, joiner.core.on_join_failed(left_id, down_evidence="crashed"))
             return
         self._execute(left, left.core.on_add_on_right(joiner.id, joiner.id))
 
@@ -307,7 +308,7 @@ class Simulation:
         if joiner.gone:
             return
         if reply.group is None:
-            self._execute(joiner, joiner.core.on_join_failed("", unreachable=False))
+            self._execute(joiner, joiner.core.on_join_failed("", down_evidence=None))
         else:
             self._execute(joiner, joiner.core.on_join_reply(reply.group))
 
