@@ -81,7 +81,7 @@ class Driven:
 
     def take(self, kind: type[E]) -> list[E]:
         """The effects of `kind` asked for so far (they are forgotten)."""
-        found = [e for e in self.effects if isinstance(e, kind)]
+        found: list[E] = [e for e in self.effects if isinstance(e, kind)]
         self.effects = [e for e in self.effects if not isinstance(e, kind)]
         return found
 

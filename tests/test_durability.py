@@ -33,7 +33,7 @@ def test_claims_say_where_the_intact_prefix_ends_and_whether_damage_follows() ->
     assert Claim.decode("garbage") == Claim()
 
 
-LISTED = {"master": "node1", "synchronised_mirrors": ("node2", "node3"), "mirrors": ("node2", "node3")}
+MASTER, SYNCHRONISED, MIRRORS = "node1", ("node2", "node3"), ("node2", "node3")
 
 
 def claims(**by_node: str) -> dict[str, Claim]:
@@ -58,17 +58,7 @@ def claims(**by_node: str) -> dict[str, Claim]:
 def test_the_live_listed_claimant_whose_intact_log_knows_most_recovers(
     claimed: dict[str, str], live: set[str], always: bool, winner: str | None
 ) -> None:
-    assert (
-        elect(
-            claims(**claimed),
-            LISTED["master"],  # type: ignore[arg-type]
-            LISTED["synchronised_mirrors"],  # type: ignore[arg-type]
-            LISTED["mirrors"],  # type: ignore[arg-type]
-            live,
-            promote_unsynchronised=always,
-        )
-        == winner
-    )
+    assert elect(claims(**claimed), MASTER, SYNCHRONISED, MIRRORS, live, promote_unsynchronised=always) == winner
 
 
 def test_the_election_waits_for_every_listed_replica_or_for_the_wait_to_end() -> None:

@@ -35,6 +35,14 @@ def publish(driven: Driven, *bodies: bytes, persistent: bool = True) -> int:
     return step_id
 
 
+def role(driven: Driven) -> Role:
+    return driven.core.role
+
+
+def marked(driven: Driven) -> tuple[str, ...]:
+    return driven.record.synchronised_mirrors
+
+
 def confirmed_steps(driven: Driven) -> list[int]:
     steps = [c.step_id for c in driven.take(CompleteStep) if c.confirmed]
     return steps + [s for r in driven.take(ReleaseConfirms) for s in r.step_ids]
@@ -96,14 +104,14 @@ def test_a_mirror_that_says_it_is_synchronised_is_required_at_once_and_marked_on
     driven.flush_all()
     assert confirmed_steps(driven) == [first]  # nobody else's disk was required then
     driven.reports("node2.b", 1, Synchronised("node2.b"))
-    assert driven.record.synchronised_mirrors == (), "marked before its disk held the confirmed message"
+    assert marked(driven) == (), "marked before its disk held the confirmed message"
     second = publish(driven, b"after")
     driven.confirm_ring()
     driven.flush_all()
     assert confirmed_steps(driven) == [], "the announced mirror's disk is required already"
     driven.reports("node2.b", 2, Persisted("node2.b", "node1.a", driven.core.next_seq - 1))
     assert confirmed_steps(driven) == [second]
-    assert driven.record.synchronised_mirrors == ("node2",)
+    assert marked(driven) == ("node2",)
 
 
 def test_steps_complete_in_the_order_they_were_decided_whatever_they_wait_for() -> None:
@@ -298,14 +306,14 @@ def recovered(node: str, position: Position, *messages: Message, damaged: bool =
 def test_a_replica_that_hears_no_master_claims_and_the_one_whose_intact_log_knows_most_recovers() -> None:
     best = recovered("node2", Position(3, 50), Message(7, b"seven", persistent=True))
     best.tick(2_000)  # nobody served: it claims
-    assert best.core.role is Role.RECOVERING and best.record.recovery_positions == {"node2": "3.50"}
+    assert role(best) is Role.RECOVERING and best.record.recovery_positions == {"node2": "3.50"}
     assert "waiting for node1, node3" in best.core.status()
     # node3's log is damaged, but its intact prefix still goes further than node2's: it wins.
     best.set_record(recovery_positions={"node1": "3.40", "node2": "3.50", "node3": "3.60 damaged"})
     assert best.core.expected_winner == ("node3", Claim(Position(3, 60), damaged=True))
     # Had its damage come earlier, node2 would win.
     best.set_record(recovery_positions={"node1": "3.40", "node2": "3.50", "node3": "3.45 damaged"})
-    assert best.core.role is Role.MASTER and best.record.master == "node2" and best.record.master_epoch == 4
+    assert role(best) is Role.MASTER and best.record.master == "node2" and best.record.master_epoch == 4
     master = best.core.master
     assert master is not None and list(master.core.contents.messages) == [7]
     assert master.core.contents.messages[7].delivery_count == 1, "it may have been delivered before"

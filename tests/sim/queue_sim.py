@@ -17,6 +17,7 @@ delivered. The same seed replays the same run.
 
 from __future__ import annotations
 
+import functools
 import random
 from dataclasses import dataclass, field, replace
 
@@ -132,7 +133,7 @@ class QueueSimulation:
     def run(self) -> QueueSimulation:
         try:
             for node in self.nodes.values():
-                self.scheduler.at(self.rng.randint(0, 300), lambda node=node: self._ensure_replica(node))
+                self.scheduler.at(self.rng.randint(0, 300), functools.partial(self._ensure_replica, node))
             self.producer.start()
             self.consumer.start()
             self.scheduler.at(1000, self._place)
@@ -182,7 +183,7 @@ class QueueSimulation:
         written = self.record
         for node in self.nodes.values():
             if node.up and node.reaches_coordinator:
-                self.scheduler.at(self.rng.randint(1, 20), lambda node=node: self._watch(node, written))
+                self.scheduler.at(self.rng.randint(1, 20), functools.partial(self._watch, node, written))
 
     def _watch(self, node: SimNode, record: QueueRecord) -> None:
         if not node.up or not node.reaches_coordinator:
@@ -250,7 +251,7 @@ class QueueSimulation:
         for _ in range(rng.randint(*config.faults)):
             at = rng.randint(2000, config.fault_phase_ms - 3000)
             kind = rng.choice(["crash", "crash_master", "crash_all", "disk_full", "coordinator_cut", "link_cut"])
-            self.scheduler.at(at, lambda kind=kind: self._fault(kind))
+            self.scheduler.at(at, functools.partial(self._fault, kind))
 
     def _fault(self, kind: str) -> None:
         if not self.faults:
@@ -262,18 +263,18 @@ class QueueSimulation:
             victim = self.nodes.get(self.record.master) if kind == "crash_master" else rng.choice(up)
             if victim is not None and victim.up:
                 self.crash(victim)
-                self.scheduler.at(duration, lambda: self.restart(victim))
+                self.scheduler.at(duration, functools.partial(self.restart, victim))
         elif kind == "crash_all":
             self._crash_all()
         elif kind == "disk_full" and up:
-            victim = rng.choice(up)
-            victim.disk.full = True
-            self.checker.on_disk_fault(victim.name)
-            self.scheduler.at(duration, lambda: setattr(victim.disk, "full", False))
+            disk = rng.choice(up).disk
+            disk.full = True
+            self.checker.on_disk_fault(next(n.name for n in up if n.disk is disk))
+            self.scheduler.at(duration, functools.partial(setattr, disk, "full", False))
         elif kind == "coordinator_cut" and up:
-            victim = rng.choice(up)
-            victim.reaches_coordinator = False
-            self.scheduler.at(duration, lambda: self._reconnect(victim))
+            cut_off = rng.choice(up)
+            cut_off.reaches_coordinator = False
+            self.scheduler.at(duration, functools.partial(self._reconnect, cut_off))
         elif kind == "link_cut" and len(self.nodes) >= 3:
             a, b = rng.sample(sorted(self.nodes), 2)
             cut = frozenset((a, b))
@@ -315,7 +316,7 @@ class QueueSimulation:
         self.rng.shuffle(order)
         delay = self.rng.randint(200, 2000)
         for node in order:
-            self.scheduler.at(delay, lambda node=node: self.restart(node))
+            self.scheduler.at(delay, functools.partial(self.restart, node))
             delay += self.rng.randint(0, 3000)
 
     def _heal(self) -> None:
@@ -575,7 +576,7 @@ class Consumer:
                 continue
             self.sim.checker.on_delivered(delivery)
             tag = self.tag
-            self.sim.scheduler.at(self.sim.rng.randint(1, 60), lambda d=delivery, t=tag, r=replica: self._ack(r, t, d))
+            self.sim.scheduler.at(self.sim.rng.randint(1, 60), functools.partial(self._ack, replica, tag, delivery))
 
     def _ack(self, replica: SimReplica, tag: str, delivery: Delivery) -> None:
         if replica.gone or replica is not self.attached or tag != self.tag or not replica.core.is_master:

@@ -10,6 +10,7 @@ ring tells the application goes to the member's `MemberListener` (the queue repl
 
 from __future__ import annotations
 
+import functools
 import random
 from collections import deque
 from collections.abc import Callable
@@ -74,7 +75,7 @@ class GroupStore:
         if group is not self.group:
             self.group = group
             for member in list(self.world.members_of_group()):
-                self.world.scheduler.at(self.world.rng.randint(1, 20), lambda m=member: m.watch(group))
+                self.world.scheduler.at(self.world.rng.randint(1, 20), functools.partial(member.watch, group))
         return outcome, group
 
 
@@ -198,7 +199,8 @@ class SimMember:
             if newcomer is None:
                 return
             if group is None:
-                newcomer.post(lambda core: core.on_join_failed(left, unreachable=unreachable))
+                evidence = "its node is down" if unreachable else None
+                newcomer.post(lambda core: core.on_join_failed(left, evidence))
             else:
                 newcomer.post(lambda core: core.on_join_reply(group))
 
@@ -252,10 +254,10 @@ class SimMember:
         if self.gone:
             return
         if target is None or target.crashed or not world.linked(self.node, node):
-            self.post(lambda core: core.on_join_failed(left, unreachable=True))
+            self.post(lambda core: core.on_join_failed(left, "its node is down or cut off"))
             return
         if target.core.stopped is not None:
-            self.post(lambda core: core.on_join_failed(left, unreachable=False))  # its node: "not hosted"
+            self.post(lambda core: core.on_join_failed(left, "its node does not host it"))
             return
         target.asked_by.add(self.id)
         target.post(lambda core: core.on_add_on_right(self.id, self.node))
@@ -279,7 +281,7 @@ class SimMember:
                     member = world.member(suspect)
                     still = member is None or member.crashed or not world.linked(self.node, node)
                     if still:
-                        self.post(lambda core: core.on_neighbour_down(suspect))
+                        self.post(lambda core: core.on_neighbour_down(suspect, "down or cut off"))
 
                 world.scheduler.at(delay, report)
         world.scheduler.at(world.rng.randint(200, 400), self._detect)
