@@ -41,7 +41,7 @@ import json
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, NoReturn
+from typing import Any, NoReturn, TypeGuard
 
 MAX_NAME_LENGTH = 255  # AMQP short string, the limit for vhosts, policy and queue names
 MIN_PRIORITY = -(2**31)
@@ -213,7 +213,7 @@ def min_synchronised(definition: Mapping[str, Any]) -> int:
     """
     floor = definition.get("ha-min-synchronised")
     if _is_int(floor):
-        return int(floor)
+        return floor
     if definition.get("replication", "all") != "all":
         return 0
     mode, params = definition.get("ha-mode"), definition.get("ha-params")
@@ -332,7 +332,7 @@ def _most_mirrors(definition: Mapping[str, Any]) -> int | None:
     """The most mirrors a queue can ever have under `definition` (None: no bound, or ha-params not valid yet)."""
     mode, params = definition.get("ha-mode"), definition.get("ha-params")
     if mode == "exactly" and _is_int(params):
-        return int(params) - 1
+        return params - 1
     if mode == "nodes" and isinstance(params, list | tuple):
         return len(params)  # distinct once validated; the master may be a node the list does not name
     return None
@@ -422,7 +422,7 @@ def _fail(key: str, why: str) -> NoReturn:
     raise PolicyError(key, f"{key}: {why}")
 
 
-def _is_int(value: object) -> bool:
+def _is_int(value: object) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool)
 
 

@@ -28,6 +28,7 @@ Guarantees:
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -122,9 +123,14 @@ def node_heartbeat(store: Store, node: str, at_unix_ms: int) -> None:
 
 def placeable_nodes(store: Store, liveness_ms: int, now_unix_ms: int) -> list[str]:
     """The nodes new replicas may go to: heard from within `liveness_ms` and not draining."""
+    return placeable(list_nodes(store), liveness_ms, now_unix_ms)
+
+
+def placeable(nodes: Iterable[NodeRecord], liveness_ms: int, now_unix_ms: int) -> list[str]:
+    """Of `nodes`, those new replicas may go to (see `placeable_nodes`), in their order."""
     return [
         node.node
-        for node in list_nodes(store)
+        for node in nodes
         if not node.draining
         and node.last_heartbeat_unix_ms is not None
         and now_unix_ms - node.last_heartbeat_unix_ms < liveness_ms
