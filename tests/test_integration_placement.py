@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import grpc
@@ -86,17 +87,18 @@ async def _paused_mirror(directory: Path) -> None:
     await client.close()
 
 
-def test_a_mirror_struck_from_a_paused_node_comes_back(tmp_path: Path) -> None:
+def _on_a_cluster(tmp_path: Path, scenario: Callable[[Path], Awaitable[None]]) -> None:
+    """Run `scenario` on a cluster in tmp_path, stopped afterwards whatever happens."""
     directory = tmp_path / "cluster"
     try:
-        asyncio.run(asyncio.wait_for(_paused_mirror(directory), 120))
+        asyncio.run(asyncio.wait_for(scenario(directory), 150))
     finally:
         cluster.down(directory)
+
+
+def test_a_mirror_struck_from_a_paused_node_comes_back(tmp_path: Path) -> None:
+    _on_a_cluster(tmp_path, _paused_mirror)
 
 
 def test_policies_follow_nodes_that_die_and_come_back(tmp_path: Path) -> None:
-    directory = tmp_path / "cluster"
-    try:
-        asyncio.run(asyncio.wait_for(_scenario(directory), 150))
-    finally:
-        cluster.down(directory)
+    _on_a_cluster(tmp_path, _scenario)

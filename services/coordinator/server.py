@@ -240,25 +240,33 @@ async def _keep_queues_placed(store: Store, feed: ChangeFeed, liveness_ms: int) 
             await asyncio.wait_for(woken.wait(), tick_seconds)
         woken.clear()
         try:
-            nodes = await asyncio.to_thread(records.list_nodes, store)
-            live = records.placeable(nodes, liveness_ms, now_ms())
-            heartbeats = {n.node: n.last_heartbeat_unix_ms for n in nodes if n.last_heartbeat_unix_ms is not None}
-            if not trigger.due(live, heartbeats):
-                continue
-            unproven = trigger.unproven_nodes(live, heartbeats)
-            trigger.pass_starting(live, heartbeats)
-            started = time.monotonic()
-            done = await asyncio.to_thread(metadata.place_queues, store, "", live, unproven)
-            elapsed_seconds = time.monotonic() - started
-            trigger.pass_finished(live, {key: (q.version, q.replicas) for key, q in done.queues.items()})
+            elapsed_seconds = await _place_if_due(store, trigger, liveness_ms)
         except (StoreUnavailable, metadata.Conflict) as error:
             trigger.pass_failed()
             log.warning("cannot re-place queues yet: %s", error)
-            continue
-        if done.written:
-            waiting = f" ({', '.join(sorted(unproven))} not yet heard from since struck)" if unproven else ""
-            log.info("nodes %s%s: %d queue(s) re-placed", ", ".join(live), waiting, len(done.written))
-        await asyncio.sleep(min(elapsed_seconds, tick_seconds))
+        except Exception:  # a bug must not stop placement for good: say so, and try again
+            trigger.pass_failed()
+            log.exception("placement pass failed")
+        else:
+            await asyncio.sleep(min(elapsed_seconds, tick_seconds))
+
+
+async def _place_if_due(store: Store, trigger: PlacementTrigger, liveness_ms: int) -> float:
+    """One placement pass if `trigger` says one is due; returns how long it took (0: none ran)."""
+    nodes = await asyncio.to_thread(records.list_nodes, store)
+    live = records.placeable(nodes, liveness_ms, now_ms())
+    heartbeats = {n.node: n.last_heartbeat_unix_ms for n in nodes if n.last_heartbeat_unix_ms is not None}
+    if not trigger.due(live, heartbeats):
+        return 0.0
+    unproven = trigger.unproven_nodes(live, heartbeats)
+    trigger.pass_starting(live, heartbeats)
+    started = time.monotonic()
+    done = await asyncio.to_thread(metadata.place_queues, store, "", live, unproven)
+    trigger.pass_finished(live, {key: (queue.version, queue.replicas) for key, queue in done.queues.items()})
+    if done.written:
+        waiting = f" ({', '.join(sorted(unproven))} not heard from since struck)" if unproven else ""
+        log.info("nodes %s%s: %d queue(s) re-placed", ", ".join(live), waiting, len(done.written))
+    return time.monotonic() - started
 
 
 async def _follow_queue_records(
@@ -270,13 +278,14 @@ async def _follow_queue_records(
             async for item in feed.watch(frozenset({metadata.QUEUE})):
                 if isinstance(item, Resync):
                     trigger.records_missed()
+                elif item.record is None:
+                    trigger.record_changed(RecordChange(item.key, 0, None, now_ms()))
                 else:
-                    replicas = metadata.queue_from_record(item.record).replicas if item.record is not None else None
-                    version = item.record.version if item.record is not None else 0
-                    trigger.record_changed(RecordChange(item.key, version, replicas, now_ms()))
+                    replicas = metadata.queue_from_record(item.record).replicas
+                    trigger.record_changed(RecordChange(item.key, item.record.version, replicas, now_ms()))
                 woken.set()
-        except StoreUnavailable as error:
-            log.warning("queue record changes unavailable: %s", error)
+        except Exception as error:  # StoreUnavailable, or a record this coordinator cannot read
+            log.warning("following queue record changes: %r; re-placing every queue", error)
             trigger.records_missed()
             woken.set()
             await asyncio.sleep(liveness_ms / 3000)
