@@ -45,7 +45,9 @@ from services.arguments import OneLineParser, address_argument, addresses_argume
 from services.coordinator.client import CoordinatorClient
 from services.coordinator.convert import group_from_proto, group_to_proto
 from services.coordinator.group_table import Group, GroupChange, Outcome
+from services.coordinator.records import DiskReport
 from services.coordinator.server import group_name_problem
+from services.disk_monitor import MEBIBYTE, DiskMonitor
 from services.gm import wire
 from services.gm.links import CHANNEL_OPTIONS, LinkManager
 from services.gm.member import MemberEvent, MemberShell, NotHosted, Watched
@@ -87,6 +89,10 @@ JOIN_RETRY_PAUSE_SECONDS = 0.05
 # least one payload), so one flush of many large payloads becomes several events.
 MAX_DELIVERY_EVENT_BYTES = 4 * 1024 * 1024
 JOIN_ATTEMPTS = 5
+# RabbitMQ's default disk_free_limit: enough room to write a few more batches and the logs.
+DEFAULT_DISK_FREE_LIMIT_MB = 50
+# A limit up to 1 PiB: anything larger is a typo (and still fits the heartbeat's uint64).
+MAX_DISK_FREE_LIMIT_MB = 1024**3
 
 
 @dataclass(frozen=True)
@@ -106,6 +112,9 @@ class NodeSettings:
     # How long a replica that came back with a log waits for its queue's master
     # before the replica that knows most recovers the queue (services/queue/durability.py).
     recovery_wait: float = 30.0
+    # Below this many free bytes on data_dir's disk the node raises its disk alarm and blocks
+    # persistent publishes (0: never; services/disk_monitor.py).
+    disk_free_limit_bytes: int = DEFAULT_DISK_FREE_LIMIT_MB * MEBIBYTE
 
 
 class Node:
@@ -134,12 +143,16 @@ class Node:
         self._detector: asyncio.Task[None] | None = None
         self.watching_groups = False
         self._tasks: set[asyncio.Future[None]] = set()
+        # The disk-free alarm: the queue service blocks persistent publishes while disk.alarm is on.
+        self.disk = DiskMonitor(node_id, settings.data_dir, settings.disk_free_limit_bytes)
 
     # -------------------------------------------------------------- lifecycle
 
     async def start(self) -> None:
         await self.coordinator.register_node(self.id, self.address)
         self._detector = asyncio.ensure_future(self._detect_failures())
+        await self.disk.measure()  # so the first heartbeat reports the disk
+        self._tasks.add(asyncio.ensure_future(self.disk.run()))
         self._tasks.add(asyncio.ensure_future(self._heartbeat()))
         self._tasks.add(asyncio.ensure_future(self._watch_groups()))
 
@@ -179,10 +192,12 @@ class Node:
         member.post(adopt)
 
     async def _heartbeat(self) -> None:
-        """Tell the coordinator this node is alive (it places replicas on live nodes only)."""
+        """Tell the coordinator this node is alive (it places replicas on live nodes only) and how
+        its disk is (ringqctl cluster_status shows it)."""
         while True:
+            disk = DiskReport(self.disk.free_bytes, self.disk.limit_bytes, self.disk.alarm)
             try:
-                await self.coordinator.node_heartbeat(self.id)
+                await self.coordinator.node_heartbeat(self.id, disk)
             except grpc.aio.AioRpcError as error:
                 log.warning("heartbeat to the coordinator failed: %s", error.code().name)
             await asyncio.sleep(HEARTBEAT_TO_COORDINATOR_SECONDS)
@@ -553,6 +568,17 @@ def _millis(value: str) -> float:
     return millis / 1000.0
 
 
+def _disk_free_limit(value: str) -> int:
+    """--disk-free-limit-mb: whole MiB from 0 (no limit) to MAX_DISK_FREE_LIMIT_MB, as bytes."""
+    try:
+        mebibytes = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number of MiB, got {value!r}") from None
+    if not 0 <= mebibytes <= MAX_DISK_FREE_LIMIT_MB:
+        raise argparse.ArgumentTypeError(f"expected 0 <= MiB <= {MAX_DISK_FREE_LIMIT_MB}, got {mebibytes}")
+    return mebibytes * MEBIBYTE
+
+
 def parser() -> argparse.ArgumentParser:
     defaults = NodeSettings()
     out = OneLineParser(prog="ringq node", description="Run a ringq broker node.")
@@ -592,6 +618,13 @@ def parser() -> argparse.ArgumentParser:
         "the replica whose log knows most recovers the queue",
     )
     out.add_argument(
+        "--disk-free-limit-mb",
+        type=_disk_free_limit,
+        default=str(defaults.disk_free_limit_bytes // MEBIBYTE),
+        help="raise the disk alarm, which blocks persistent publishes, while the data directory's disk has "
+        f"fewer MiB free than this (default {DEFAULT_DISK_FREE_LIMIT_MB}; 0: never)",
+    )
+    out.add_argument(
         "--trace-dir",
         help="also write finished spans as JSON lines to DIR/spans-NODE_ID.jsonl (docs/observability.md); "
         "OTEL_EXPORTER_OTLP_ENDPOINT exports over OTLP",
@@ -611,6 +644,7 @@ def main(argv: list[str] | None = None) -> int:
         membership_check=args.membership_check_ms,
         data_dir=args.data_dir or os.path.join("data", args.id),
         recovery_wait=args.recovery_wait_ms,
+        disk_free_limit_bytes=args.disk_free_limit_mb,
     )
     tracing.configure("ringq-node", args.id, args.trace_dir)
     try:

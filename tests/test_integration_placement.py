@@ -3,8 +3,10 @@
 The coordinator re-places every queue when the set of live nodes changes: under
 ha-mode exactly N a dead mirror is replaced on another node, which syncs while
 the queue keeps its messages; under ha-mode all a node that comes back gets its
-mirror again. The master is never moved by this (promotion is the queue's own
-business, with its synchronisation rules).
+mirror again. It also re-places queues when their records change: a mirror the
+master struck while its node stayed alive (paused past the ring's failure
+timeout) comes back once the node heartbeats again. The master is never moved
+by this (promotion is the queue's own business, with its synchronisation rules).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import grpc
@@ -63,9 +66,39 @@ async def _scenario(directory: Path) -> None:
     await client.close()
 
 
-def test_policies_follow_nodes_that_die_and_come_back(tmp_path: Path) -> None:
+async def _paused_mirror(directory: Path) -> None:
+    info = await _start(directory)  # ha.* on every node
+    client = _client(info, "node1", "node2")
+    assert (await client.declare_queue("ha.paused", durable=True)).master_node == "node1"
+    producer = client.producer("ha.paused", publisher_id="paused", persistent=True)
+    assert await producer.publish_many([b"m"] * MESSAGES) == [aio.Outcome.CONFIRMED] * MESSAGES
+    await _wait_for_status(client, "ha.paused", lambda s: len(s.synchronised_mirrors) == 2, 20)
+
+    # Paused past the ring's failure timeout, but not the coordinator's liveness timeout: the
+    # master strikes node3's mirror while node3 stays a live node by heartbeat.
+    cluster.kill(directory, "node3", signal.SIGSTOP)
+    try:
+        await _wait_for_status(client, "ha.paused", lambda s: list(s.mirrors) == ["node2"], 20)
+    finally:
+        cluster.kill(directory, "node3", signal.SIGCONT)
+    # node3 heartbeats again: its mirror comes back, and syncs every message.
+    back = await _wait_for_status(client, "ha.paused", lambda s: len(s.synchronised_mirrors) == 2, 30)
+    assert back.master_node == "node1" and list(back.mirrors) == ["node2", "node3"] and back.depth == MESSAGES
+    await client.close()
+
+
+def _on_a_cluster(tmp_path: Path, scenario: Callable[[Path], Awaitable[None]]) -> None:
+    """Run `scenario` on a cluster in tmp_path, stopped afterwards whatever happens."""
     directory = tmp_path / "cluster"
     try:
-        asyncio.run(asyncio.wait_for(_scenario(directory), 150))
+        asyncio.run(asyncio.wait_for(scenario(directory), 150))
     finally:
         cluster.down(directory)
+
+
+def test_a_mirror_struck_from_a_paused_node_comes_back(tmp_path: Path) -> None:
+    _on_a_cluster(tmp_path, _paused_mirror)
+
+
+def test_policies_follow_nodes_that_die_and_come_back(tmp_path: Path) -> None:
+    _on_a_cluster(tmp_path, _scenario)

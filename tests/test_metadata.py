@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable, Mapping
 from dataclasses import replace
+from typing import Any
 
 import pytest
 
@@ -11,6 +13,7 @@ from services.coordinator import metadata
 from services.coordinator.leases import LeaseRefused
 from services.coordinator.metadata import Conflict, NotFound, QueueMismatch, QueueRecord
 from services.coordinator.policies import Policy, PolicyError
+from services.coordinator.store import Record
 from tests.memory_store import MemoryStore
 
 NODES = ["n1", "n2", "n3"]
@@ -158,3 +161,101 @@ def test_concurrent_contenders_get_the_lease_exactly_once() -> None:
     for thread in threads:
         thread.join()
     assert len(winners) == 1 and metadata.get_lease(store, "l").holder == winners[0]
+
+
+# ------------------------------------------------------------------------------ placement passes
+
+
+class CountingStore(MemoryStore):
+    """A MemoryStore that counts its calls, and can lose one compare-and-set to a concurrent writer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: dict[str, int] = {"get": 0, "list": 0, "put": 0}
+        self.before_next_put: Callable[[], None] | None = None
+
+    def get(self, kind: str, key: str) -> Record | None:
+        self.calls["get"] += 1
+        return super().get(kind, key)
+
+    def list(self, kind: str) -> list[Record]:
+        self.calls["list"] += 1
+        return super().list(kind)
+
+    def put(self, kind: str, key: str, value: Mapping[str, Any], expected_version: int) -> Record | None:
+        self.calls["put"] += 1
+        interfere, self.before_next_put = self.before_next_put, None
+        if interfere is not None:
+            interfere()
+        return super().put(kind, key, value, expected_version)
+
+
+def _placed_queues(store: MemoryStore, count: int, master: str = "n1") -> list[QueueRecord]:
+    return [
+        metadata.update_queue(store, replace(queue, master=master, mirrors=()), queue.version)
+        for queue in (_declare(store, f"q{index}") for index in range(count))
+    ]
+
+
+def test_a_pass_reads_the_queues_once_and_writes_nothing_when_all_is_placed() -> None:
+    """One listing per pass, not one per queue (a pass over 5,000 queues re-listed them 5,000 times)."""
+    store = CountingStore()
+    metadata.set_policy(store, Policy("/", "all", ".*", {"ha-mode": "all"}), NODES)
+    _placed_queues(store, 50)
+    metadata.apply_policies(store, "", NODES)
+    store.calls = dict.fromkeys(store.calls, 0)
+    done = metadata.place_queues(store, "", NODES)
+    assert done.written == {} and len(done.queues) == 50
+    assert store.calls == {"get": 0, "list": 2, "put": 0}, "the policies and the queues, each listed once"
+
+
+def test_a_pass_spreads_new_mirrors_by_the_load_as_it_moves() -> None:
+    store = MemoryStore()
+    nodes = ["n1", "n2", "n3", "n4", "n5"]
+    _placed_queues(store, 8)  # every master on n1
+    metadata.set_policy(store, Policy("/", "two", ".*", {"ha-mode": "exactly", "ha-params": 2}), nodes)
+    mirrors = [queue.mirrors for queue in metadata.list_queues(store)]
+    assert sorted(mirror for (mirror,) in mirrors) == ["n2", "n2", "n3", "n3", "n4", "n4", "n5", "n5"]
+
+
+def test_a_pass_counts_the_replicas_of_every_vhost() -> None:
+    store = MemoryStore()
+    metadata.declare_queue(store, QueueRecord("other", "busy"), ["n2"])  # n2 holds a replica elsewhere
+    queue = _placed_queues(store, 1)[0]
+    metadata.set_policy(store, Policy("/", "two", ".*", {"ha-mode": "exactly", "ha-params": 2}), NODES)
+    assert metadata.get_queue(store, "/", queue.name).mirrors == ("n3",)
+
+
+def test_a_pass_re_reads_a_queue_that_changed_under_it() -> None:
+    store = CountingStore()
+    queue = _placed_queues(store, 1)[0]
+    metadata.set_policy(store, Policy("/", "all", "^nothing$", {"ha-mode": "all"}), NODES)
+    metadata.set_policy(store, Policy("/", "all", ".*", {"ha-mode": "all"}), ["n1"])  # no mirror yet
+
+    def synchronise_meanwhile() -> None:
+        current = metadata.get_queue(store, "/", queue.name)
+        metadata.update_queue(store, replace(current, master_epoch=7), current.version)
+
+    store.before_next_put = synchronise_meanwhile
+    done = metadata.place_queues(store, "", NODES)
+    after = metadata.get_queue(store, "/", queue.name)
+    assert after.mirrors == ("n2", "n3") and after.master_epoch == 7, "placed over the concurrent change"
+    assert done.written == {after.key: after.version} and done.queues[after.key] == after
+
+
+def test_unproven_nodes_keep_their_replicas_but_get_no_new_one() -> None:
+    store = MemoryStore()
+    metadata.set_policy(store, Policy("/", "all", "^all", {"ha-mode": "all"}), NODES)
+    metadata.set_policy(store, Policy("/", "two", "^two", {"ha-mode": "exactly", "ha-params": 2}), NODES)
+    kept = metadata.declare_queue(store, QueueRecord("/", "all.kept"), NODES, preferred_master="n1")
+    assert kept.mirrors == ("n2", "n3")
+    metadata.update_queue(store, replace(kept, name="all.struck", mirrors=("n2",)), 0)
+    short = metadata.declare_queue(store, QueueRecord("/", "two.short"), ["n1"], preferred_master="n1")
+    assert short.mirrors == ()
+    done = metadata.place_queues(store, "", NODES, unproven_nodes={"n3"})
+    assert metadata.get_queue(store, "/", "all.kept").mirrors == ("n2", "n3"), "n3 keeps what it holds"
+    assert metadata.get_queue(store, "/", "all.struck").mirrors == ("n2",), "no new replica on n3 yet"
+    assert metadata.get_queue(store, "/", "two.short").mirrors == ("n2",), "another node instead"
+    assert set(done.written) == {short.key}
+    metadata.place_queues(store, "", NODES)  # n3 has proven itself alive
+    assert metadata.get_queue(store, "/", "all.struck").mirrors == ("n2", "n3")

@@ -12,6 +12,7 @@ from services.coordinator.policies import (
     PolicyError,
     definition_summary,
     effective_policy,
+    min_synchronised,
     parse_definition,
     validate,
 )
@@ -83,7 +84,7 @@ REFUSED_DEFINITIONS: list[tuple[dict[Any, Any], str, str]] = [
         {"colour": "red"},
         "colour",
         'unknown key "colour" (known keys: ha-mode, ha-params, ha-sync-mode, ha-promote-on-failure, '
-        "ha-promote-on-shutdown, message-ttl, expires, max-length, max-length-bytes, overflow, "
+        "ha-promote-on-shutdown, ha-min-synchronised, message-ttl, expires, max-length, max-length-bytes, overflow, "
         "dead-letter-exchange, dead-letter-routing-key, dead-letter-queue, delivery-limit, queue-mode, "
         "replication)",
     ),
@@ -184,6 +185,55 @@ REFUSED_DEFINITIONS: list[tuple[dict[Any, Any], str, str]] = [
         {"ha-promote-on-shutdown": "when-synced"},
         "ha-promote-on-shutdown",
         "ha-promote-on-shutdown: needs ha-mode (it only applies to mirrored queues)",
+    ),
+    # ha-min-synchronised: a non-negative integer, for a mirrored queue, within what the definition can give
+    (
+        {"ha-mode": "all", "ha-min-synchronised": -1},
+        "ha-min-synchronised",
+        "ha-min-synchronised: must be an integer >= 0 (synchronised mirrors), got -1",
+    ),
+    (
+        {"ha-mode": "all", "ha-min-synchronised": True},
+        "ha-min-synchronised",
+        "ha-min-synchronised: must be an integer >= 0 (synchronised mirrors), got true",
+    ),
+    (
+        {"ha-mode": "all", "ha-min-synchronised": 1.0},
+        "ha-min-synchronised",
+        "ha-min-synchronised: must be an integer >= 0 (synchronised mirrors), got 1.0",
+    ),
+    (
+        {"ha-mode": "all", "ha-min-synchronised": "1"},
+        "ha-min-synchronised",
+        'ha-min-synchronised: must be an integer >= 0 (synchronised mirrors), got "1"',
+    ),
+    (
+        {"ha-min-synchronised": 1},
+        "ha-min-synchronised",
+        "ha-min-synchronised: needs ha-mode (it only applies to mirrored queues)",
+    ),
+    (
+        {"ha-mode": "exactly", "ha-params": 2, "ha-min-synchronised": 2},
+        "ha-min-synchronised",
+        "ha-min-synchronised: 2 synchronised mirrors can never be reached: "
+        "ha-mode exactly with ha-params 2 keeps at most 1 mirror",
+    ),
+    (
+        {"ha-mode": "nodes", "ha-params": ["n1", "n2"], "ha-min-synchronised": 3},
+        "ha-min-synchronised",
+        "ha-min-synchronised: 3 synchronised mirrors can never be reached: "
+        'ha-mode nodes with ha-params ["n1", "n2"] keeps at most 2 mirrors',
+    ),
+    (
+        {"ha-mode": "all", "replication": "wiring", "ha-min-synchronised": 1},
+        "ha-min-synchronised",
+        'ha-min-synchronised: must be 0 with replication "wiring" '
+        "(its mirrors hold no messages to be synchronised with)",
+    ),
+    (
+        {"replication": "none", "ha-min-synchronised": 0},
+        "ha-min-synchronised",
+        "ha-min-synchronised: needs ha-mode (it only applies to mirrored queues)",
     ),
     # integer limits (bool and float are never integers)
     ({"message-ttl": -1}, "message-ttl", "message-ttl: must be an integer >= 0 (milliseconds), got -1"),
@@ -294,6 +344,12 @@ ACCEPTED: list[dict[str, Any]] = [
     {"replication": "none", "max-length": 5},
     {"replication": "wiring", "ha-mode": "all"},
     {"replication": "all", "ha-mode": "exactly", "ha-params": 2},
+    {"ha-mode": "all", "ha-min-synchronised": 0},
+    {"ha-mode": "all", "ha-min-synchronised": 4},  # more than the cluster has is the cluster's business
+    {"ha-mode": "exactly", "ha-params": 3, "ha-min-synchronised": 2},
+    {"ha-mode": "exactly", "ha-params": 1, "ha-min-synchronised": 0},
+    {"ha-mode": "nodes", "ha-params": ["n1"], "ha-min-synchronised": 1},  # the master may be elsewhere
+    {"ha-mode": "all", "replication": "wiring", "ha-min-synchronised": 0},
 ]
 
 
@@ -483,3 +539,40 @@ def test_non_matching_policy_never_wins_on_priority() -> None:
 )
 def test_definition_summary(definition: dict[str, Any], summary: str) -> None:
     assert definition_summary(definition) == summary
+
+
+# -- the floor of synchronised mirrors -------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("definition", "floor"),
+    [
+        # set: the value, whatever the definition would give by default
+        ({"ha-mode": "all", "ha-min-synchronised": 0}, 0),
+        ({"ha-mode": "all", "ha-min-synchronised": 2}, 2),
+        ({"ha-mode": "exactly", "ha-params": 1, "ha-min-synchronised": 0}, 0),
+        ({"ha-mode": "nodes", "ha-params": ["n1"], "ha-min-synchronised": 1}, 1),
+        # unset: 1 when two or more replicas are asked for and messages are replicated
+        ({"ha-mode": "all"}, 1),
+        ({"ha-mode": "all", "replication": "all"}, 1),
+        ({"ha-mode": "exactly", "ha-params": 2}, 1),
+        ({"ha-mode": "exactly", "ha-params": 5}, 1),
+        ({"ha-mode": "nodes", "ha-params": ["n1", "n2"]}, 1),
+        # ... else 0
+        ({"ha-mode": "exactly", "ha-params": 1}, 0),
+        ({"ha-mode": "nodes", "ha-params": ["n1"]}, 0),
+        ({"ha-mode": "all", "replication": "wiring"}, 0),
+        ({"replication": "none"}, 0),
+        ({"max-length": 10}, 0),
+        ({}, 0),
+    ],
+)
+def test_min_synchronised(definition: dict[str, Any], floor: int) -> None:
+    assert min_synchronised(definition) == floor
+    if definition:
+        assert min_synchronised(validate(policy(definition)).definition) == floor, "validated definitions agree"
+
+
+def test_min_synchronised_counts_distinct_nodes() -> None:
+    """Validation refuses a node listed twice, but the rule itself never counts one node as two replicas."""
+    assert min_synchronised({"ha-mode": "nodes", "ha-params": ["n1", "n1"]}) == 0

@@ -29,6 +29,7 @@ from services.coordinator.convert import (
 )
 from services.coordinator.group_table import Group, GroupChange, Outcome
 from services.coordinator.metadata import QueueRecord
+from services.coordinator.records import NO_DISK_REPORT, DiskReport
 
 _Req = TypeVar("_Req")
 _Resp = TypeVar("_Resp")
@@ -114,8 +115,12 @@ class CoordinatorClient:
         response = await self._call(lambda stub: stub.ListNodes, coordinator_pb2.ListNodesRequest())
         return [(record.node, record.address) for record in response.nodes]
 
-    async def node_heartbeat(self, node: str) -> None:
-        await self._call(lambda stub: stub.NodeHeartbeat, coordinator_pb2.NodeHeartbeatRequest(node=node))
+    async def node_heartbeat(self, node: str, disk: DiskReport = NO_DISK_REPORT) -> None:
+        """Prove `node` alive and report its disk (what `disk` leaves as None is not sent)."""
+        request = coordinator_pb2.NodeHeartbeatRequest(
+            node=node, disk_free_bytes=disk.free_bytes, disk_free_limit_bytes=disk.limit_bytes, disk_alarm=disk.alarm
+        )
+        await self._call(lambda stub: stub.NodeHeartbeat, request)
 
     async def cluster_status(self) -> coordinator_pb2.ClusterStatusResponse:
         return await self._call(lambda stub: stub.ClusterStatus, coordinator_pb2.ClusterStatusRequest())

@@ -18,7 +18,7 @@ from services.coordinator.group_table import (
 from services.coordinator.leases import Lease
 from services.coordinator.metadata import QueueRecord
 from services.coordinator.policies import Policy, parse_definition
-from services.coordinator.records import NodeRecord
+from services.coordinator.records import DiskReport, NodeRecord
 
 ChangeRequest = (
     coordinator_pb2.CreateGroupRequest
@@ -117,6 +117,18 @@ def node_to_proto(node: NodeRecord, alive: bool) -> coordinator_pb2.NodeRecord:
         draining=node.draining,
         alive=alive,
         last_heartbeat_unix_ms=node.last_heartbeat_unix_ms or 0,
+        disk_free_bytes=node.disk.free_bytes,
+        disk_free_limit_bytes=node.disk.limit_bytes,
+        disk_alarm=node.disk.alarm,
+    )
+
+
+def disk_report_from_heartbeat(request: coordinator_pb2.NodeHeartbeatRequest) -> DiskReport:
+    """The disk report a heartbeat carries; what it leaves out stays unknown (the alarm: off)."""
+    return DiskReport(
+        request.disk_free_bytes if request.HasField("disk_free_bytes") else None,
+        request.disk_free_limit_bytes if request.HasField("disk_free_limit_bytes") else None,
+        request.disk_alarm,
     )
 
 

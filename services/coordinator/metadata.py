@@ -1,22 +1,26 @@
 """Queue records, policies and leases kept in a Store: the coordinator's metadata rules.
 
 Responsible for: declaring queues (placed by their effective policy on the
-live, non-draining nodes), re-applying policies to every queue of a vhost
-when a policy is set or cleared, compare-and-set updates of queue records,
-and storing lease transitions (rules in leases.py).
+live, non-draining nodes), placement passes (`place_queues`: re-applying the
+policies to every queue, when a policy is set or cleared and whenever the
+coordinator's placer finds one due), compare-and-set updates of queue
+records, and storing lease transitions (rules in leases.py).
 
 Guarantees: every write is a compare-and-set on the record's version and is
 retried from a fresh read on a conflict (bounded), so concurrent
 coordinators never lose an update; a policy that fails validation is never
-stored; re-applying policies never moves a live master (placement.py) and
-drops removed mirrors from the synchronised set; a lease transition is
-computed from the lease as stored, so two contenders never both hold it.
+stored; a placement pass never moves a live master (placement.py), drops
+removed mirrors from the synchronised set, keeps master_epoch and every other
+field as they are, writes only the records whose placement or policy changed,
+and costs one listing of the queues however many there are; a lease
+transition is computed from the lease as stored, so two contenders never both
+hold it.
 """
 
 from __future__ import annotations
 
 import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, TypeVar
 from urllib.parse import quote
@@ -78,13 +82,19 @@ class QueueRecord:
     def key(self) -> str:
         return queue_key(self.vhost, self.name)
 
+    @property
+    def replicas(self) -> frozenset[str]:
+        """The nodes holding a replica: the master and the mirrors."""
+        return frozenset(node for node in (self.master, *self.mirrors) if node)
+
 
 def queue_key(vhost: str, name: str) -> str:
     """The store key of a queue: both parts quoted, so no two queues share one."""
     return f"{quote(vhost, safe='')}/{quote(name, safe='')}"
 
 
-def _queue_value(queue: QueueRecord) -> dict[str, Any]:
+def queue_value(queue: QueueRecord) -> dict[str, Any]:
+    """The store value of a queue record (everything but its version)."""
     value = asdict(queue)
     del value["version"]
     value["mirrors"] = list(queue.mirrors)
@@ -150,18 +160,30 @@ def list_queues(store: Store, vhost: str = "") -> list[QueueRecord]:
     return sorted((q for q in queues if not vhost or q.vhost == vhost), key=lambda q: (q.vhost, q.name))
 
 
-def _replica_load(store: Store) -> dict[str, int]:
+def replica_load(queues: Iterable[QueueRecord]) -> dict[str, int]:
+    """How many replicas (masters and mirrors) of `queues` each node holds."""
     load: dict[str, int] = {}
-    for queue in list_queues(store):
-        for node in (queue.master, *queue.mirrors):
-            load[node] = load.get(node, 0) + 1
+    for queue in queues:
+        _count_replicas(load, queue, 1)
     return load
 
 
+def _count_replicas(load: dict[str, int], queue: QueueRecord, sign: int) -> None:
+    for node in queue.replicas:
+        load[node] = load.get(node, 0) + sign
+
+
 def _placed(
-    queue: QueueRecord, all_policies: Sequence[Policy], live_nodes: Sequence[str], load: Mapping[str, int]
+    queue: QueueRecord,
+    all_policies: Sequence[Policy],
+    live_nodes: Sequence[str],
+    load: Mapping[str, int],
+    unproven_nodes: Collection[str] = (),
 ) -> QueueRecord:
-    """`queue` with its effective policy and placement recomputed."""
+    """`queue` with its effective policy and placement recomputed.
+
+    `unproven_nodes` keep the replicas of `queue` they hold but get no new one.
+    """
     effective = policies.effective_policy(queue.vhost, queue.name, all_policies)
     definition = dict(effective.definition) if effective else {}
     replication = str(definition.get("replication", "all"))
@@ -172,12 +194,13 @@ def _placed(
             queue, policy=effective.name if effective else "", policy_definition=definition, replication=replication
         )
     current = placement.Placement(queue.master, queue.mirrors) if queue.master else None
+    candidates = [node for node in live_nodes if node not in unproven_nodes or node in queue.replicas] or live_nodes
     if replication == "none":
         definition_for_placement: Mapping[str, Any] | None = None
     else:
         definition_for_placement = definition or None
     placed = placement.place(
-        definition_for_placement, live_nodes, current, preferred_master=queue.master or None, load=load
+        definition_for_placement, candidates, current, preferred_master=queue.master or None, load=load
     )
     synchronised = tuple(m for m in queue.synchronised_mirrors if m in placed.mirrors)
     return replace(
@@ -214,8 +237,8 @@ def declare_queue(
             return queue
         fresh = replace(declared, master=preferred_master if preferred_master in live_nodes else "", mirrors=())
         fresh = replace(fresh, gm_group=f"queue.{uuid.uuid4().hex}")
-        placed = _placed(fresh, list_policies(store, declared.vhost), live_nodes, _replica_load(store))
-        written = store.put(QUEUE, declared.key, _queue_value(placed), 0)
+        placed = _placed(fresh, list_policies(store, declared.vhost), live_nodes, replica_load(list_queues(store)))
+        written = store.put(QUEUE, declared.key, queue_value(placed), 0)
         return queue_from_record(written) if written is not None else None
 
     return _retry(step)
@@ -223,7 +246,7 @@ def declare_queue(
 
 def update_queue(store: Store, queue: QueueRecord, expected_version: int) -> QueueRecord:
     """Replace a queue record if its version is `expected_version`; Conflict otherwise."""
-    written = store.put(QUEUE, queue.key, _queue_value(queue), expected_version)
+    written = store.put(QUEUE, queue.key, queue_value(queue), expected_version)
     if written is None:
         if store.get(QUEUE, queue.key) is None:
             raise NotFound(f"no queue {queue.name!r} in vhost {queue.vhost!r}")
@@ -246,27 +269,77 @@ def delete_queue(store: Store, vhost: str, name: str, expected_version: int = 0)
     _retry(step)
 
 
-def apply_policies(store: Store, vhost: str, live_nodes: Sequence[str]) -> int:
+@dataclass(frozen=True)
+class PlacementPass:
+    """What one pass of `place_queues` left behind."""
+
+    # Every queue of the pass as it stands after it (as read, or as this pass wrote it), by key.
+    queues: Mapping[str, QueueRecord]
+    # The version this pass wrote, by key, for the queues it changed.
+    written: Mapping[str, int]
+
+
+def place_queues(
+    store: Store, vhost: str, live_nodes: Sequence[str], unproven_nodes: Collection[str] = ()
+) -> PlacementPass:
     """Re-apply the vhost's policies (every vhost's if `vhost` is empty) to each of its queues,
-    placing them on `live_nodes` (a queue whose master is not live keeps its placement);
-    returns how many changed."""
+    placing them on `live_nodes`; a queue whose master is not live keeps its placement, and
+    `unproven_nodes` keep the replicas they hold but get no new one.
+
+    One listing of the queues per pass: the replica load is counted from it once and kept up to
+    date as the pass moves replicas, and a queue is read again only when its compare-and-set
+    lost to a concurrent change. A queue already placed right is not written.
+    """
     all_policies = list_policies(store, vhost)
-    changed = 0
-    for queue in list_queues(store, vhost):
-        key = queue.key
+    listed = list_queues(store)  # every vhost's: the load counts every replica
+    load = replica_load(listed)
+    after: dict[str, QueueRecord] = {}
+    written: dict[str, int] = {}
 
-        def step(key: str = key) -> bool | None:
-            record = store.get(QUEUE, key)
-            if record is None:
-                return False  # deleted meanwhile
-            current = queue_from_record(record)
-            updated = _placed(current, all_policies, live_nodes, _replica_load(store))
-            if updated == current:
-                return False
-            return True if store.put(QUEUE, key, _queue_value(updated), record.version) is not None else None
+    def decide(current: QueueRecord) -> QueueRecord:
+        return _placed(current, all_policies, live_nodes, load, unproven_nodes)
 
-        changed += _retry(step)
-    return changed
+    for queue in listed:
+        if vhost and queue.vhost != vhost:
+            continue
+        final, wrote = _settle(store, queue, decide)
+        _count_replicas(load, queue, -1)
+        if final is not None:
+            _count_replicas(load, final, 1)
+            after[final.key] = final
+            if wrote:
+                written[final.key] = final.version
+    return PlacementPass(after, written)
+
+
+def apply_policies(store: Store, vhost: str, live_nodes: Sequence[str]) -> int:
+    """`place_queues` for policy changes; returns how many queues changed."""
+    return len(place_queues(store, vhost, live_nodes).written)
+
+
+def _settle(
+    store: Store, listed: QueueRecord, decide: Callable[[QueueRecord], QueueRecord]
+) -> tuple[QueueRecord | None, bool]:
+    """Write `decide(record)` over a queue's record by compare-and-set, starting from `listed` and
+    re-reading after a conflict. Returns the record as it stands (None if deleted meanwhile) and
+    whether this call wrote it (nothing is written when `decide` changes nothing)."""
+    current: QueueRecord | None = listed
+
+    def step() -> tuple[QueueRecord | None, bool] | None:
+        nonlocal current
+        if current is None:
+            return None, False
+        updated = decide(current)
+        if updated == current:
+            return current, False
+        record = store.put(QUEUE, current.key, queue_value(updated), current.version)
+        if record is not None:
+            return queue_from_record(record), True
+        fresh = store.get(QUEUE, current.key)
+        current = queue_from_record(fresh) if fresh is not None else None
+        return None
+
+    return _retry(step)
 
 
 # ----------------------------------------------------------------- policies

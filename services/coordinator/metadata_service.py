@@ -23,6 +23,7 @@ import grpc
 from ringq.v1 import coordinator_pb2
 from services.coordinator import metadata, records
 from services.coordinator.convert import (
+    disk_report_from_heartbeat,
     group_to_proto,
     lease_to_proto,
     node_to_proto,
@@ -97,7 +98,8 @@ class MetadataRpcs:
         self, request: coordinator_pb2.NodeHeartbeatRequest, context: _Context
     ) -> coordinator_pb2.NodeHeartbeatResponse:
         await require(context, node=request.node)
-        await run_store(context, records.node_heartbeat, self._store, request.node, now_ms())
+        disk = disk_report_from_heartbeat(request)
+        await run_store(context, records.node_heartbeat, self._store, request.node, now_ms(), disk)
         return coordinator_pb2.NodeHeartbeatResponse()
 
     async def SetNodeDraining(

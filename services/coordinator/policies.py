@@ -3,9 +3,10 @@
 Responsible for: the rules behind `set_policy [-p VHOST] NAME PATTERN DEFINITION
 [--priority N] [--apply-to queues|all]` (RabbitMQ's policy model, ARCHITECTURE.md
 section 3): deciding whether a policy is acceptable, turning it into a
-normalised value, choosing the one policy that applies to a queue, and printing
-a definition for CLI tables. Callers (the coordinator server, the CLI, the
-queue layer) do the storing and the applying.
+normalised value, choosing the one policy that applies to a queue, the floor
+of synchronised mirrors below which a queue's master confirms nothing
+(`min_synchronised`), and printing a definition for CLI tables. Callers (the
+coordinator server, the CLI, the queue layer) do the storing and the applying.
 
 Guarantees:
 
@@ -25,9 +26,12 @@ Guarantees:
 
 Not promised (as in RabbitMQ): that a definition fits the cluster. `ha-params`
 5 on a 3-node cluster is accepted (placement caps it), and `ha-mode nodes` may
-name nodes that do not exist (yet). Like RabbitMQ, the ha-* keys other than
-ha-mode are refused without ha-mode: they only mean something for a mirrored
-queue.
+name nodes that do not exist (yet). `ha-min-synchronised` is refused only when
+the definition itself could never reach it (3 with ha-mode exactly 2); on a
+cluster that has lost nodes a queue may well be below its floor, and then its
+master stops confirming until mirrors are back and synchronised. Like
+RabbitMQ, the ha-* keys other than ha-mode are refused without ha-mode: they
+only mean something for a mirrored queue.
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ import json
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, NoReturn
+from typing import Any, NoReturn, TypeGuard
 
 MAX_NAME_LENGTH = 255  # AMQP short string, the limit for vhosts, policy and queue names
 MIN_PRIORITY = -(2**31)
@@ -59,6 +63,7 @@ DEFINITION_KEYS = (
     "ha-sync-mode",
     "ha-promote-on-failure",
     "ha-promote-on-shutdown",
+    "ha-min-synchronised",
     "message-ttl",
     "expires",
     "max-length",
@@ -197,6 +202,30 @@ def effective_policy(vhost: str, queue_name: str, policies: Iterable[Policy]) ->
     return best
 
 
+def min_synchronised(definition: Mapping[str, Any]) -> int:
+    """How many synchronised mirrors a queue's master needs before it confirms anything.
+
+    `ha-min-synchronised` if the definition sets it. Otherwise 1 when the
+    definition asks for two or more replicas (ha-mode all; exactly with
+    ha-params >= 2; nodes naming two or more distinct nodes) and replicates
+    messages (replication "all", the default), so that a confirm never rests
+    on one copy; else 0. `definition` is assumed validated.
+    """
+    floor = definition.get("ha-min-synchronised")
+    if _is_int(floor):
+        return floor
+    if definition.get("replication", "all") != "all":
+        return 0
+    mode, params = definition.get("ha-mode"), definition.get("ha-params")
+    if mode == "all":
+        return 1
+    if mode == "exactly":
+        return 1 if _is_int(params) and params >= 2 else 0
+    if mode == "nodes":
+        return 1 if isinstance(params, list | tuple) and len(set(params)) >= 2 else 0
+    return 0
+
+
 def definition_summary(definition: Mapping[str, Any]) -> str:
     """One line for CLI tables: `key=value` pairs in key order, space separated.
 
@@ -281,6 +310,34 @@ def _check_ha_promote_on_shutdown(definition: Mapping[str, Any]) -> None:
     _needs_ha_mode(definition, "ha-promote-on-shutdown")
 
 
+def _check_ha_min_synchronised(definition: Mapping[str, Any]) -> None:
+    key = "ha-min-synchronised"
+    floor = definition[key]
+    if not _is_int(floor) or floor < 0:
+        _fail(key, f"must be an integer >= 0 (synchronised mirrors), got {_show(floor)}")
+    _needs_ha_mode(definition, key)
+    if floor > 0 and definition.get("replication") == "wiring":
+        _fail(key, 'must be 0 with replication "wiring" (its mirrors hold no messages to be synchronised with)')
+    most = _most_mirrors(definition)
+    if most is not None and floor > most:
+        mode, params = definition["ha-mode"], _show(definition["ha-params"])
+        _fail(
+            key,
+            f"{floor} synchronised mirrors can never be reached: ha-mode {mode} with ha-params {params} "
+            f"keeps at most {most} mirror{'' if most == 1 else 's'}",
+        )
+
+
+def _most_mirrors(definition: Mapping[str, Any]) -> int | None:
+    """The most mirrors a queue can ever have under `definition` (None: no bound, or ha-params not valid yet)."""
+    mode, params = definition.get("ha-mode"), definition.get("ha-params")
+    if mode == "exactly" and _is_int(params):
+        return params - 1
+    if mode == "nodes" and isinstance(params, list | tuple):
+        return len(params)  # distinct once validated; the master may be a node the list does not name
+    return None
+
+
 def _check_message_ttl(definition: Mapping[str, Any]) -> None:
     _check_int(definition, "message-ttl", 0, " (milliseconds)")
 
@@ -342,6 +399,7 @@ _KEY_CHECKS = {
     "ha-sync-mode": _check_ha_sync_mode,
     "ha-promote-on-failure": _check_ha_promote_on_failure,
     "ha-promote-on-shutdown": _check_ha_promote_on_shutdown,
+    "ha-min-synchronised": _check_ha_min_synchronised,
     "message-ttl": _check_message_ttl,
     "expires": _check_expires,
     "max-length": _check_max_length,
@@ -364,7 +422,7 @@ def _fail(key: str, why: str) -> NoReturn:
     raise PolicyError(key, f"{key}: {why}")
 
 
-def _is_int(value: object) -> bool:
+def _is_int(value: object) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool)
 
 

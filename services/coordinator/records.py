@@ -5,10 +5,14 @@ every read-modify-write on them as a compare-and-set on the record version:
 
     kind "group"      key: group name  value {"members": [{"id", "node", "alive"}, ...]}
     kind "node"       key: node id     value {"address", "draining"}
-    kind "heartbeat"  key: node id     value {"at_unix_ms"}
+    kind "heartbeat"  key: node id     value {"at_unix_ms", "disk_alarm",
+                                             "disk_free_bytes"?, "disk_free_limit_bytes"?}
 
 Heartbeats are their own kind so that watchers of "node" records (membership,
-addresses, draining) are not woken by every heartbeat.
+addresses, draining) are not woken by every heartbeat. A heartbeat carries the
+node's disk report (services/disk_monitor.py), shown with the node: its free
+bytes and limit are left out when the node did not send them (an older node),
+and its alarm is then off.
 
 Guarantees:
 - A group's version is its record's version: a group never written reads as
@@ -28,6 +32,7 @@ Guarantees:
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -77,13 +82,26 @@ def group_from_record(name: str, record: Record | None) -> Group:
 
 
 @dataclass(frozen=True)
+class DiskReport:
+    """What a node's heartbeat says of its disk (None: not said)."""
+
+    free_bytes: int | None = None
+    limit_bytes: int | None = None
+    alarm: bool = False
+
+
+NO_DISK_REPORT = DiskReport()
+
+
+@dataclass(frozen=True)
 class NodeRecord:
-    """A registered broker node."""
+    """A registered broker node, with its last heartbeat (None if never heard) and disk report."""
 
     node: str
     address: str
     draining: bool = False
     last_heartbeat_unix_ms: int | None = None
+    disk: DiskReport = NO_DISK_REPORT
 
 
 def register_node(store: Store, node: str, address: str) -> None:
@@ -110,21 +128,32 @@ def set_node_draining(store: Store, node: str, draining: bool) -> bool:
             return True
 
 
-def node_heartbeat(store: Store, node: str, at_unix_ms: int) -> None:
-    """Record that `node` was heard from at `at_unix_ms` (an older time than the recorded one is ignored)."""
+def node_heartbeat(store: Store, node: str, at_unix_ms: int, disk: DiskReport = NO_DISK_REPORT) -> None:
+    """Record that `node` was heard from at `at_unix_ms`, its disk as `disk` says (an older time than
+    the recorded one is ignored, with its report)."""
+    value: dict[str, int | bool] = {"at_unix_ms": at_unix_ms, "disk_alarm": disk.alarm}
+    if disk.free_bytes is not None:
+        value["disk_free_bytes"] = disk.free_bytes
+    if disk.limit_bytes is not None:
+        value["disk_free_limit_bytes"] = disk.limit_bytes
     while True:
         record = store.get(HEARTBEAT, node)
         if record is not None and int(record.value["at_unix_ms"]) >= at_unix_ms:
             return
-        if store.put(HEARTBEAT, node, {"at_unix_ms": at_unix_ms}, _version(record)) is not None:
+        if store.put(HEARTBEAT, node, value, _version(record)) is not None:
             return
 
 
 def placeable_nodes(store: Store, liveness_ms: int, now_unix_ms: int) -> list[str]:
     """The nodes new replicas may go to: heard from within `liveness_ms` and not draining."""
+    return placeable(list_nodes(store), liveness_ms, now_unix_ms)
+
+
+def placeable(nodes: Iterable[NodeRecord], liveness_ms: int, now_unix_ms: int) -> list[str]:
+    """Of `nodes`, those new replicas may go to (see `placeable_nodes`), in their order."""
     return [
         node.node
-        for node in list_nodes(store)
+        for node in nodes
         if not node.draining
         and node.last_heartbeat_unix_ms is not None
         and now_unix_ms - node.last_heartbeat_unix_ms < liveness_ms
@@ -133,16 +162,29 @@ def placeable_nodes(store: Store, liveness_ms: int, now_unix_ms: int) -> list[st
 
 def list_nodes(store: Store) -> list[NodeRecord]:
     """Every registered node, sorted by node id, with its last heartbeat (None if never heard)."""
-    beats = {record.key: int(record.value["at_unix_ms"]) for record in store.list(HEARTBEAT)}
-    return [
-        NodeRecord(
-            record.key,
-            str(record.value["address"]),
-            bool(record.value.get("draining", False)),
-            beats.get(record.key),
+    beats = {record.key: record.value for record in store.list(HEARTBEAT)}
+    nodes = []
+    for record in store.list(NODE):
+        beat = beats.get(record.key)
+        nodes.append(
+            NodeRecord(
+                record.key,
+                str(record.value["address"]),
+                bool(record.value.get("draining", False)),
+                int(beat["at_unix_ms"]) if beat is not None else None,
+                _disk_report(beat) if beat is not None else NO_DISK_REPORT,
+            )
         )
-        for record in store.list(NODE)
-    ]
+    return nodes
+
+
+def _disk_report(beat: Mapping[str, Any]) -> DiskReport:
+    free, limit = beat.get("disk_free_bytes"), beat.get("disk_free_limit_bytes")
+    return DiskReport(
+        int(free) if free is not None else None,
+        int(limit) if limit is not None else None,
+        bool(beat.get("disk_alarm", False)),
+    )
 
 
 def _version(record: Record | None) -> int:

@@ -9,11 +9,13 @@ event loop never blocks on SQLite or ZooKeeper. A store that cannot be reached
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib
 import logging
 import os
 import re
 import signal
+import time
 from collections.abc import Callable
 from typing import Any, Literal, ParamSpec, TypeVar
 
@@ -30,9 +32,10 @@ from services.coordinator.convert import (
     outcome_to_proto,
 )
 from services.coordinator.metadata_service import COORDINATOR, MetadataRpcs, now_ms
+from services.coordinator.placement_trigger import PlacementTrigger, RecordChange
 from services.coordinator.sqlite_store import SqliteStore
 from services.coordinator.store import MAX_KEY_LENGTH, Store, StoreUnavailable
-from services.coordinator.watch import ChangeFeed
+from services.coordinator.watch import ChangeFeed, Resync
 
 log = logging.getLogger(__name__)
 
@@ -202,7 +205,7 @@ async def create_server(
     await server.start()
     advertised = f"{address.rsplit(':', 1)[0]}:{port}"
     _background.add(asyncio.ensure_future(_register_coordinator(store, advertised, liveness_ms)))
-    _background.add(asyncio.ensure_future(_place_on_liveness_changes(store, liveness_ms)))
+    _background.add(asyncio.ensure_future(_keep_queues_placed(store, feed, liveness_ms)))
     return server, port
 
 
@@ -219,22 +222,73 @@ async def _register_coordinator(store: Store, address: str, liveness_ms: int) ->
         await asyncio.sleep(liveness_ms / 3000)
 
 
-async def _place_on_liveness_changes(store: Store, liveness_ms: int) -> None:
-    """Policies applied live: when the set of placeable nodes changes (a node joins, comes back,
-    dies or drains), re-place every queue, so ha-mode all gains the new node, exactly-N replaces a
-    dead mirror on another node. Masters are left to the queues (metadata.apply_policies)."""
-    placed_on: list[str] | None = None
+async def _keep_queues_placed(store: Store, feed: ChangeFeed, liveness_ms: int) -> None:
+    """Policies applied live: re-place every queue when the placeable nodes change (a node joins,
+    comes back, dies or drains), when queue records change (a master struck a mirror, a mirror was
+    promoted), and when a struck node proves itself alive: services/coordinator/placement_trigger.py
+    decides when. So ha-mode all gains a new node, exactly-N replaces a lost mirror on another node,
+    and a mirror struck from a node that stayed alive comes back. Masters are left to the queues
+    (metadata.place_queues). The placeable nodes are checked a few times per liveness timeout;
+    queue record changes wake the loop at once. The next pass waits at least as long as the last
+    one took, so passes take at most half of the coordinator's time however fast records change."""
+    trigger = PlacementTrigger()
+    woken = asyncio.Event()
+    _background.add(asyncio.ensure_future(_follow_queue_records(feed, trigger, woken, liveness_ms)))
+    tick_seconds = liveness_ms / 3000
     while True:
-        await asyncio.sleep(liveness_ms / 3000)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(woken.wait(), tick_seconds)
+        woken.clear()
         try:
-            live = await asyncio.to_thread(records.placeable_nodes, store, liveness_ms, now_ms())
-            if live and live != placed_on:
-                changed = await asyncio.to_thread(metadata.apply_policies, store, "", live)
-                if changed:
-                    log.info("nodes now %s: %d queue(s) re-placed", ", ".join(live), changed)
-                placed_on = live
+            elapsed_seconds = await _place_if_due(store, trigger, liveness_ms)
         except (StoreUnavailable, metadata.Conflict) as error:
-            log.warning("cannot re-place queues after a liveness change yet: %s", error)
+            trigger.pass_failed()
+            log.warning("cannot re-place queues yet: %s", error)
+        except Exception:  # a bug must not stop placement for good: say so, and try again
+            trigger.pass_failed()
+            log.exception("placement pass failed")
+        else:
+            await asyncio.sleep(min(elapsed_seconds, tick_seconds))
+
+
+async def _place_if_due(store: Store, trigger: PlacementTrigger, liveness_ms: int) -> float:
+    """One placement pass if `trigger` says one is due; returns how long it took (0: none ran)."""
+    nodes = await asyncio.to_thread(records.list_nodes, store)
+    live = records.placeable(nodes, liveness_ms, now_ms())
+    heartbeats = {n.node: n.last_heartbeat_unix_ms for n in nodes if n.last_heartbeat_unix_ms is not None}
+    if not trigger.due(live, heartbeats):
+        return 0.0
+    unproven = trigger.unproven_nodes(live, heartbeats)
+    trigger.pass_starting(live, heartbeats)
+    started = time.monotonic()
+    done = await asyncio.to_thread(metadata.place_queues, store, "", live, unproven)
+    trigger.pass_finished(live, {key: (queue.version, queue.replicas) for key, queue in done.queues.items()})
+    if done.written:
+        waiting = f" ({', '.join(sorted(unproven))} not heard from since struck)" if unproven else ""
+        log.info("nodes %s%s: %d queue(s) re-placed", ", ".join(live), waiting, len(done.written))
+    return time.monotonic() - started
+
+
+async def _follow_queue_records(
+    feed: ChangeFeed, trigger: PlacementTrigger, woken: asyncio.Event, liveness_ms: int
+) -> None:
+    """Hand every queue record change of the store's change log to `trigger`, and wake the placer."""
+    while True:
+        try:
+            async for item in feed.watch(frozenset({metadata.QUEUE})):
+                if isinstance(item, Resync):
+                    trigger.records_missed()
+                elif item.record is None:
+                    trigger.record_changed(RecordChange(item.key, 0, None, now_ms()))
+                else:
+                    replicas = metadata.queue_from_record(item.record).replicas
+                    trigger.record_changed(RecordChange(item.key, item.record.version, replicas, now_ms()))
+                woken.set()
+        except Exception as error:  # StoreUnavailable, or a record this coordinator cannot read
+            log.warning("following queue record changes: %r; re-placing every queue", error)
+            trigger.records_missed()
+            woken.set()
+            await asyncio.sleep(liveness_ms / 3000)
 
 
 def _refresh_registration(store: Store, address: str) -> None:

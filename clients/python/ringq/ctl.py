@@ -241,6 +241,20 @@ def _queue_ref(args: argparse.Namespace) -> queue_pb2.QueueRef:
 # ------------------------------------------------------------------------------------ coordinator commands
 
 
+def _mebibytes(size_bytes: int) -> str:
+    return f"{size_bytes // (1024 * 1024)} MiB"
+
+
+def _disk_columns(node: coordinator_pb2.NodeRecord) -> list[str]:
+    """disk free, disk limit, disk alarm: "-" for what the node did not report (an older node)."""
+    free = _mebibytes(node.disk_free_bytes) if node.HasField("disk_free_bytes") else "-"
+    if not node.HasField("disk_free_limit_bytes"):
+        limit = "-"
+    else:
+        limit = _mebibytes(node.disk_free_limit_bytes) if node.disk_free_limit_bytes else "none"
+    return [free, limit, "ALARM" if node.disk_alarm else "no"]
+
+
 def cluster_status(c: Coordinators, args: argparse.Namespace) -> tuple[Any, str]:
     status = c.call(lambda s: s.ClusterStatus, coordinator_pb2.ClusterStatusRequest())
     now = time.time() * 1000
@@ -251,10 +265,12 @@ def cluster_status(c: Coordinators, args: argparse.Namespace) -> tuple[Any, str]
             "yes" if n.alive else "NO",
             "yes" if n.draining else "no",
             f"{(now - n.last_heartbeat_unix_ms) / 1000:.1f}s ago" if n.last_heartbeat_unix_ms else "never",
+            *_disk_columns(n),
         ]
         for n in status.nodes
     ]
-    text = _table(rows, ["node", "address", "alive", "draining", "last heartbeat"])
+    headers = ["node", "address", "alive", "draining", "last heartbeat", "disk free", "disk limit", "disk alarm"]
+    text = _table(rows, headers)
     coordinators = ", ".join(f"{e.address} ({'alive' if e.alive else 'not answering'})" for e in status.coordinators)
     text += f"\n\nstore: {status.store_kind}; coordinators: {coordinators or 'none registered'}"
     return _as_json(status), text
@@ -484,7 +500,7 @@ def parser() -> argparse.ArgumentParser:
         sub.set_defaults(run=run)
         return sub
 
-    command("cluster_status", cluster_status, "nodes, their liveness, coordinators and the store kind")
+    command("cluster_status", cluster_status, "nodes, their liveness and disk alarms, coordinators, the store kind")
     for name, run, text in (
         ("drain_node", drain_node, "stop placing new replicas on a node (before taking it down)"),
         ("undrain_node", undrain_node, "place new replicas on a node again"),
