@@ -102,7 +102,7 @@ async def _queue_record(admin: aio.Admin, queue: str) -> coordinator_pb2.QueueRe
     return record
 
 
-async def _group_members(coordinator: str, group: str) -> coordinator_pb2.ReadGroupResponse:
+async def _read_group(coordinator: str, group: str) -> coordinator_pb2.ReadGroupResponse:
     async with grpc.aio.insecure_channel(coordinator) as channel:
         stub = coordinator_pb2_grpc.CoordinatorServiceStub(channel)
         response: coordinator_pb2.ReadGroupResponse = await stub.ReadGroup(
@@ -265,7 +265,7 @@ class _GroupHistory:
 
     async def caught_up(self, coordinator: str) -> None:
         """Wait until the history holds the group's version as ReadGroup gives it now."""
-        current = (await _group_members(coordinator, self.group)).group.version
+        current = (await _read_group(coordinator, self.group)).group.version
 
         async def newest() -> int:
             assert not self._task.done(), f"the group watch ended: {self._task}"
@@ -353,7 +353,7 @@ async def _restart_every_node(directory: Path, info: cluster.ClusterInfo) -> Non
         bodies = [b"%d" % seq for seq in range(MESSAGES_PER_ROUND)]
         assert await producer.publish_many(bodies) == [aio.Outcome.CONFIRMED] * MESSAGES_PER_ROUND
         await client.close()
-        killed |= {member.id for member in (await _group_members(coordinator, group)).group.members}
+        killed |= {member.id for member in (await _read_group(coordinator, group)).group.members}
         sizes = _log_sizes(info)
         what = f"restart {restart}"
         try:
