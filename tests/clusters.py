@@ -4,7 +4,7 @@ live before the test starts, everything stopped afterwards."""
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -17,20 +17,30 @@ from tests.test_integration_queue import NODE_ARGS
 HA_ALL: Mapping[str, tuple[str, Mapping[str, Any]]] = {
     "ha": ("^ha\\.", {"ha-mode": "all", "ha-sync-mode": "automatic"})
 }
+LIVE_WITHIN_SECONDS = 20.0
 
 
 @contextmanager
 def live_cluster(
-    directory: Path, policies: Mapping[str, tuple[str, Mapping[str, Any]]] = HA_ALL, nodes: int = 3
+    directory: Path,
+    policies: Mapping[str, tuple[str, Mapping[str, Any]]] = HA_ALL,
+    nodes: int = 3,
+    node_args: Sequence[str] = NODE_ARGS,
 ) -> Iterator[cluster.ClusterInfo]:
-    """`nodes` nodes and a coordinator in `directory`, with `policies` (name -> (pattern, definition))."""
-    info = cluster.up(nodes, directory, node_args=NODE_ARGS)
+    """`nodes` nodes and a coordinator in `directory`, with `policies` (name -> (pattern, definition)),
+    each node started with `node_args`; yields once the coordinator counts every node live."""
+    info = cluster.up(nodes, directory, node_args=node_args)
     try:
         admin = ringq.Admin(info.coordinator.address)
-        for name, (pattern, definition) in policies.items():
-            admin.set_policy(name, pattern, definition)
-        admin.close()
-        time.sleep(2.0)  # every node's heartbeat has reached the coordinator: all are live
+        try:
+            for name, (pattern, definition) in policies.items():
+                admin.set_policy(name, pattern, definition)
+            deadline = time.monotonic() + LIVE_WITHIN_SECONDS
+            while sum(node.alive for node in admin.cluster_status().nodes) < nodes:
+                assert time.monotonic() < deadline, f"not every node was live within {LIVE_WITHIN_SECONDS:g} s"
+                time.sleep(0.05)
+        finally:
+            admin.close()
         yield info
     finally:
         cluster.down(directory)

@@ -2,8 +2,9 @@
 
 Responsible for: building, on request, one namespace per host plus a switch namespace holding a
 bridge, each host joined to the bridge by a veth pair, on a private /24 of 10.213.0.0/16; running
-processes inside a host's namespace; cutting a host off the switch and joining it again; tearing it
-all down.
+processes inside a host's namespace; cutting a host off the switch and joining it again; cutting the
+link between two hosts only (each still reaches every other host) and healing it; tearing it all
+down.
 
 Guarantees:
 - Traffic stays inside the namespaces made here: nothing is created in the root namespace but an
@@ -12,7 +13,9 @@ Guarantees:
   client inside a host's namespace (`popen` / `run`).
 - Every host knows every other host's MAC address (permanent neighbour entries), so a cut link is a
   silent drop both ways, as a firewall's DROP or a dead switch port is: no ARP failure turns it into
-  a fast "no route to host".
+  a fast "no route to host". A cut between two hosts is as silent: each addresses its frames for
+  the other to a MAC address no host has (`void_mac`), which the switch floods and every host
+  ignores; traffic between any other pair of hosts is untouched.
 - `close()` (or leaving the `with` block) kills every process started here, deletes every
   namespace and removes the route, even after a failure half-way through `open()`; it is idempotent.
 - Namespaces are named ringq-p-<pid>-<host> and the route has metric <pid>, with the pid of the test
@@ -99,6 +102,7 @@ class TestNetwork:
         self._namespaces: list[str] = []
         self._route_added = False
         self._processes: list[subprocess.Popen[bytes]] = []
+        self.void_mac = ""  # a MAC address no host has, once open: where frames across a cut pair go
 
     def __enter__(self) -> Self:
         self.open()
@@ -118,6 +122,7 @@ class TestNetwork:
         _delete_stale()
         try:
             third = self._claim_subnet()
+            self.void_mac = f"02:13:{third:02x}:ff:ff:ff"
             self._add_namespace(self.switch)
             ip("link", "add", BRIDGE, "type", "bridge", namespace=self.switch)
             ip("link", "set", BRIDGE, "up", namespace=self.switch)
@@ -134,8 +139,7 @@ class TestNetwork:
             for host in self.hosts.values():
                 for other in self.hosts.values():
                     if other is not host:
-                        ip("neigh", "replace", other.ip, "lladdr", other.mac, "dev", DEVICE, "nud", "permanent",
-                           namespace=host.namespace)  # fmt: skip
+                        _point(host, other, other.mac)
         except BaseException:
             self.close()
             raise
@@ -185,6 +189,24 @@ class TestNetwork:
     def heal(self, name: str) -> None:
         """Put `name`'s port back on the bridge."""
         ip("link", "set", self.hosts[name].switch_port, "master", BRIDGE, namespace=self.switch)
+
+    def cut_between(self, first: str, second: str) -> None:
+        """Drop every frame between hosts `first` and `second`, silently, both ways; each of them still
+        reaches every other host."""
+        one, other = self._pair(first, second)
+        _point(one, other, self.void_mac)
+        _point(other, one, self.void_mac)
+
+    def heal_between(self, first: str, second: str) -> None:
+        """Undo `cut_between(first, second)`."""
+        one, other = self._pair(first, second)
+        _point(one, other, other.mac)
+        _point(other, one, one.mac)
+
+    def _pair(self, first: str, second: str) -> tuple[Host, Host]:
+        if first == second:
+            raise ValueError(f"a cut needs two distinct hosts, got {first!r} twice")
+        return self.hosts[first], self.hosts[second]
 
     # ------------------------------------------------------------------ processes
 
@@ -237,6 +259,11 @@ class TestNetwork:
             _delete_namespace(namespace)
         self._namespaces.clear()
         self._remove_route()
+
+
+def _point(host: Host, other: Host, mac: str) -> None:
+    """In `host`'s namespace, send what is addressed to `other` to the MAC address `mac` (permanently)."""
+    ip("neigh", "replace", other.ip, "lladdr", mac, "dev", DEVICE, "nud", "permanent", namespace=host.namespace)
 
 
 def _delete_namespace(namespace: str) -> None:

@@ -36,7 +36,7 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -239,9 +239,9 @@ async def _probe(nodes: list[str], publisher: str) -> dict[str, Any]:
     return {"outcomes": [o.value for o in outcomes], "master": status.master_node}
 
 
-async def _drain(nodes: list[str], expect: Path) -> dict[str, Any]:
-    """Consume until every expected (publisher, seq) came and nothing more comes for a second; write
-    every delivery, in order, as [publisher, seq, redelivered]."""
+async def _drain(nodes: list[str], expect: Path, deadline: float) -> dict[str, Any]:
+    """Consume until every expected (publisher, seq) came and nothing more comes for a second (or `deadline`
+    seconds have passed); write every delivery, in order, as [publisher, seq, redelivered]."""
     expected = {(p, s) for p, s in json.loads(expect.read_text(encoding="utf-8"))}
     deliveries: list[list[Any]] = []
     seen: set[tuple[str, int]] = set()
@@ -249,7 +249,7 @@ async def _drain(nodes: list[str], expect: Path) -> dict[str, Any]:
         consumer = connection.consumer(QUEUE, prefetch=1000)
         iterator = aiter(consumer)
         last: aio.Delivery | None = None
-        stop = time.monotonic() + 60
+        stop = time.monotonic() + deadline
         while time.monotonic() < stop:
             try:
                 delivery = await asyncio.wait_for(anext(iterator), 1.0)
@@ -297,7 +297,7 @@ def driver(argv: Sequence[str]) -> None:
     elif args.command == "probe":
         result = asyncio.run(_probe(args.nodes, args.publisher))
     else:
-        result = asyncio.run(_drain(args.nodes, args.expect))
+        result = asyncio.run(_drain(args.nodes, args.expect, args.deadline))
     if result is not None:
         if args.out is not None:
             _write_json(args.out, result)
@@ -316,6 +316,7 @@ class _Cluster:
     directory: Path
     coordinator: str
     nodes: dict[str, str]  # node id -> HOST:PORT
+    driver_module: str = "tests.test_partition"  # the module whose `driver` runs the driver commands
 
     @property
     def logs(self) -> Path:
@@ -333,7 +334,7 @@ class _Cluster:
     def driver(self, host: str, *args: str, timeout: float = 60.0) -> dict[str, Any]:
         """Run a driver command on `host` to its end; its JSON answer (empty if it wrote it to a file)."""
         done = self.net.run(
-            host, [sys.executable, "-m", "tests.test_partition", *args], cwd=_REPO, env=self.env(), timeout=timeout
+            host, [sys.executable, "-m", self.driver_module, *args], cwd=_REPO, env=self.env(), timeout=timeout
         )
         assert done.returncode == 0, f"driver {args[0]} on {host} failed:\n{done.stderr[-3000:]}"
         lines = done.stdout.strip().splitlines()
@@ -341,7 +342,7 @@ class _Cluster:
         return answer
 
     def spawn_driver(self, host: str, name: str, *args: str) -> subprocess.Popen[bytes]:
-        return self.spawn(host, name, [sys.executable, "-m", "tests.test_partition", *args])
+        return self.spawn(host, name, [sys.executable, "-m", self.driver_module, *args])
 
     def addresses(self, *nodes: str) -> str:
         return ",".join(self.nodes[n] for n in nodes)
@@ -356,28 +357,37 @@ def _wait_ready(processes: dict[str, tuple[subprocess.Popen[bytes], Path]], time
             time.sleep(0.05)
 
 
-def _start(net: netns.TestNetwork, directory: Path) -> _Cluster:
-    """The coordinator and the nodes, each on its own host, bound to (and advertising) its host's address."""
+def _start(
+    net: netns.TestNetwork,
+    directory: Path,
+    *,
+    coordinator_host: str = COORDINATOR_HOST,
+    node_hosts: Mapping[str, str] = NODE_HOSTS,
+    driver_module: str = "tests.test_partition",
+) -> _Cluster:
+    """The coordinator on `coordinator_host` and each node on its host (node id -> host), bound to (and
+    advertising) its host's address; the driver commands run `driver_module`."""
     hosts = net.hosts
     cluster = _Cluster(
         net=net,
         directory=directory,
-        coordinator=f"{hosts[COORDINATOR_HOST].ip}:{COORDINATOR_PORT}",
-        nodes={node: f"{hosts[host].ip}:{NODE_PORT}" for node, host in NODE_HOSTS.items()},
+        coordinator=f"{hosts[coordinator_host].ip}:{COORDINATOR_PORT}",
+        nodes={node: f"{hosts[host].ip}:{NODE_PORT}" for node, host in node_hosts.items()},
+        driver_module=driver_module,
     )
     for sub in ("logs", "run", "data", "results"):
         (directory / sub).mkdir(parents=True, exist_ok=True)
     python = sys.executable
     ready = directory / "run" / "coordinator.ready"
     coordinator = cluster.spawn(
-        COORDINATOR_HOST,
+        coordinator_host,
         "coordinator",
         [python, "-m", "services.coordinator", "--listen", cluster.coordinator, "--db", str(directory / "c.db"),
          "--ready-file", str(ready)],
     )  # fmt: skip
     _wait_ready({"coordinator": (coordinator, ready)}, 30)
     started = {}
-    for node, host in NODE_HOSTS.items():
+    for node, host in node_hosts.items():
         ready = directory / "run" / f"{node}.ready"
         argv = [python, "-m", "services.node", "--id", node, "--listen", cluster.nodes[node],
                 "--advertise", cluster.nodes[node], "--coordinator", cluster.coordinator, "--ready-file", str(ready),
@@ -538,7 +548,7 @@ def _partition(cluster: _Cluster) -> _Observed:
     _write_json(expect, confirmed + [[PROBE, seq] for seq in range(1, PROBES + 1)])
     cluster.driver(
         CLIENT_HOST, "drain", "--nodes", cluster.addresses("node2", "node3", "node1"), "--expect", str(expect),
-        "--out", str(results / "drain.json"), timeout=120,
+        "--deadline", "60", "--out", str(results / "drain.json"), timeout=120,
     )  # fmt: skip
     drained = json.loads((results / "drain.json").read_text(encoding="utf-8"))
     return _Observed(
