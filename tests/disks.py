@@ -25,6 +25,7 @@ import asyncio
 import contextlib
 import errno
 import functools
+import itertools
 import os
 import shutil
 import struct
@@ -396,6 +397,12 @@ class Ledger:
 
     def confirmed_between(self, start: float, end: float) -> int:
         return sum(start <= at < end for at in self.confirmed.values())
+
+    def longest_wait(self, start: float, end: float) -> float:
+        """The longest time in [start, end) during which no message was confirmed, in seconds."""
+        times = sorted(at for at in self.confirmed.values() if start <= at < end)
+        edges = [start, *times, end]
+        return max(later - earlier for earlier, later in itertools.pairwise(edges))
 
     def last_confirm(self) -> float:
         return max(self.confirmed.values(), default=0.0)
