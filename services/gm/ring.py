@@ -599,19 +599,26 @@ class RingMember:
         return self._handle_activity(body.entries)
 
     def _has_gap(self, entries: list[PublisherActivity]) -> bool:
-        """Does an entry start past what this member holds of its publisher (frames lost on the link)?"""
+        """Does an entry start past what this member holds of its publisher (frames lost on the link)?
+        Entries are followed in order: the link layer merges consecutive Activities, so one message
+        may carry several entries of one publisher, each continuing the last."""
         assert self.publishers is not None
+        expected: dict[str, int] = {}  # publisher -> the first sequence number the next entry may start past
         for entry in entries:
             if not entry.pubs:
                 continue
-            state = self.publishers.get(entry.publisher)
-            if self._owns(entry.publisher):
-                pending = state.pending if state is not None else None
-                last = entry.first_seq + len(entry.pubs) - 1
-                if pending is not None and len(pending) and last >= pending.first_seq < entry.first_seq:
-                    return True
-            elif entry.first_seq > (state.last_pub if state is not None else 0) + 1:
+            publisher = entry.publisher
+            last = entry.first_seq + len(entry.pubs) - 1
+            if publisher not in expected:
+                state = self.publishers.get(publisher)
+                if self._owns(publisher):
+                    pending = state.pending if state is not None else None
+                    expected[publisher] = pending.first_seq if pending is not None and len(pending) else last + 1
+                else:
+                    expected[publisher] = (state.last_pub if state is not None else 0) + 1
+            if last >= expected[publisher] and entry.first_seq > expected[publisher]:
                 return True
+            expected[publisher] = max(expected[publisher], last + 1)
         return False
 
     def _adopt_catchup(self, catchup: Catchup, sender: str) -> list[Action]:

@@ -27,6 +27,7 @@ from ringq import tracing
 from services.coordinator.client import CoordinatorClient
 from services.coordinator.convert import queue_from_proto
 from services.coordinator.metadata import QueueRecord
+from services.disk_monitor import DiskMonitor
 from services.gm.member import MemberEvent, MemberShell
 from services.queue.master import Publish, QueueError, QueueMaster
 from services.queue.metrics import QueueMetrics
@@ -44,6 +45,7 @@ class QueueNode(Protocol):
     """What the manager needs from its node."""
 
     id: str
+    disk: DiskMonitor
 
     def new_member(self, group: str, events: Callable[[MemberEvent], None]) -> MemberShell: ...
 
@@ -202,6 +204,10 @@ class QueueManager:
 
     def new_member(self, group: str, events: Callable[[MemberEvent], None]) -> MemberShell:
         return self.node.new_member(group, events)
+
+    def disk_alarm(self) -> str:
+        """Why persistent publishes are blocked on this node ("" while its disk has room)."""
+        return self.node.disk.reason()
 
     def queue_dir(self, record: QueueRecord) -> str:
         """Where this node keeps `record`'s messages: per queue incarnation (its GM group)."""

@@ -48,6 +48,7 @@ from services.queue.replica_core import (
     UpdateRecord,
     WatchDisk,
     WriteLog,
+    describe,
 )
 from services.queue.replica_log import ReplicaLog
 
@@ -75,6 +76,8 @@ class ReplicaHost(Protocol):
     async def dead_letter(self, vhost: str, queue: str, bodies: list[Publish]) -> None: ...
 
     def queue_dir(self, record: QueueRecord) -> str: ...
+
+    def disk_alarm(self) -> str: ...
 
     def replica_stopped(self, replica: QueueReplica) -> None: ...
 
@@ -177,7 +180,12 @@ class QueueReplica:
 
     def publish_in_order(self, items: list[Publish]) -> asyncio.Future[list[PublishOutcome]]:
         """Decide on `items` now (a publisher's batches are taken in call order); the future completes
-        once they are confirmed."""
+        once they are confirmed. While this node's disk alarm is on, persistent messages of a durable
+        queue are refused (RESOURCE_EXHAUSTED, with the reason)."""
+        if self.record.durable and any(item.persistent for item in items):
+            alarm = self.host.disk_alarm()
+            if alarm:
+                raise QueueError("RESOURCE_EXHAUSTED", f"queue {self.record.name!r}: {alarm}; persistent messages wait")
         step_id, outcomes, effects = self.core.publish(items, now_ms())
         future = self._waiter(step_id, outcomes)
         self._execute(effects)
@@ -291,6 +299,9 @@ class QueueReplica:
     # ---------------------------------------------------------------- effects
 
     def _execute(self, effects: list[Effect]) -> None:
+        if log.isEnabledFor(logging.DEBUG):
+            for effect in effects:
+                log.debug("queue %s on %s (%s): %s", self.record.name, self.host.node_id, self.status, describe(effect))
         for effect in effects:
             if self.stopped and not isinstance(effect, Noted):
                 break

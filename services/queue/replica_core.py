@@ -78,6 +78,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
 from services.coordinator.metadata import QueueRecord
+from services.coordinator.policies import min_synchronised
 from services.queue.contents import QueueContents
 from services.queue.durability import (
     Claim,
@@ -121,25 +122,6 @@ RECOVERY_RECHECK_MS = 500
 def node_of(member: str) -> str:
     """The node hosting a GM member (member ids are NODE.HEX)."""
     return member.rsplit(".", 1)[0]
-
-
-def min_synchronised(definition: dict[str, object] | object) -> int:
-    """The floor of synchronised mirrors under confirms (see the module docstring)."""
-    if not isinstance(definition, dict):
-        return 0
-    value = definition.get("ha-min-synchronised")
-    if isinstance(value, int) and not isinstance(value, bool):
-        return max(0, value)
-    if definition.get("replication", "all") != "all":
-        return 0
-    mode, params = definition.get("ha-mode"), definition.get("ha-params")
-    if mode == "all":
-        return 1
-    if mode == "exactly":
-        return 1 if isinstance(params, int) and params >= 2 else 0
-    if mode == "nodes":
-        return 1 if isinstance(params, list | tuple) and len(set(params)) >= 2 else 0
-    return 0
 
 
 # --------------------------------------------------------------------------- values
@@ -315,6 +297,24 @@ Effect = (
 )
 
 
+def describe(effect: Effect) -> str:
+    """One line for a debug log or a simulation trace."""
+    if isinstance(effect, Broadcast):
+        kinds = ", ".join(type(report).__name__ for report in effect.reports[:8])
+        more = f" and {len(effect.reports) - 8} more" if len(effect.reports) > 8 else ""
+        return f"Broadcast #{effect.first_seq}: {kinds}{more}"
+    if isinstance(effect, CompleteStep):
+        step = effect.step
+        return f"CompleteStep {effect.step_id}: {len(step.deliveries)} deliveries, confirmed={effect.confirmed}"
+    if isinstance(effect, UpdateRecord):
+        return f"UpdateRecord: {effect.purpose}"
+    if isinstance(effect, AppendToLog):
+        return f"AppendToLog: +{len(effect.enqueued)} -{len(effect.removed)} mark={effect.position}"
+    if isinstance(effect, WriteLog):
+        return f"WriteLog: {len(effect.messages)} messages at {effect.position}, fresh={effect.fresh}"
+    return repr(effect)[:200]
+
+
 @dataclass(slots=True)
 class _Pending:
     """A decided step, waiting to complete."""
@@ -417,7 +417,7 @@ class ReplicaCore:
         return [node for node in self.record.synchronised_mirrors if node in live and node != self.node]
 
     def floor(self) -> int:
-        return min_synchronised(dict(self.record.policy_definition))
+        return min_synchronised(self.record.policy_definition)
 
     def status(self) -> str:
         """What users see: the role, and what holds the queue up, if anything."""

@@ -44,6 +44,7 @@ from services.queue.replica_core import (
     UpdateRecord,
     WatchDisk,
     WriteLog,
+    describe,
 )
 from tests.sim.queue_checker import QueueChecker
 from tests.sim.scheduler import Scheduler
@@ -402,7 +403,7 @@ class SimReplica:
     def execute(self, effects: list[Effect]) -> None:
         if self.sim.trace:
             for effect in effects:
-                print(f"{self.sim.now():>7} {self.member_id:<6} {self.core.role.value:<10} {_describe(effect)}")
+                print(f"{self.sim.now():>7} {self.member_id:<6} {self.core.role.value:<10} {describe(effect)}")
         for effect in effects:
             if self.gone:
                 return
@@ -589,20 +590,6 @@ class Consumer:
         if error is None:
             self.sim.checker.on_acked(delivery.message)
         replica.execute(effects)
-
-
-def _describe(effect: Effect) -> str:
-    if isinstance(effect, Broadcast):
-        return f"Broadcast#{effect.first_seq} " + ", ".join(type(r).__name__ for r in effect.reports)[:150]
-    if isinstance(effect, CompleteStep):
-        return f"CompleteStep {effect.step_id} deliveries={len(effect.step.deliveries)} confirmed={effect.confirmed}"
-    if isinstance(effect, UpdateRecord):
-        return f"UpdateRecord: {effect.purpose}"
-    if isinstance(effect, AppendToLog):
-        return f"AppendToLog +{len(effect.enqueued)} -{len(effect.removed)} mark={effect.position}"
-    if isinstance(effect, WriteLog):
-        return f"WriteLog {len(effect.messages)} at {effect.position} fresh={effect.fresh}"
-    return repr(effect)[:200]
 
 
 def body_of(seq: int) -> bytes:

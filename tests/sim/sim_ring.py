@@ -20,6 +20,7 @@ from services.coordinator import group_table
 from services.coordinator.group_table import Group, GroupChange, Outcome
 from services.gm.messages import (
     Action,
+    Activity,
     AddOnRightReply,
     ChooseLeft,
     Confirmed,
@@ -96,6 +97,7 @@ class SimMember:
         self.flush_armed = False
         self.link_clock: dict[str, int] = {}
         self.asked_by: set[str] = set()  # newcomers whose AddOnRight this member has not answered yet
+        self.queued: dict[str, RingMessage] = {}  # receiver -> the last message to it not yet arrived
 
     @property
     def id(self) -> str:
@@ -237,10 +239,20 @@ class SimMember:
 
     def _send(self, message: RingMessage, node: str) -> None:
         world = self.world
+        queued = self.queued.get(message.receiver)
+        if queued is not None and _mergeable(queued, message) and world.rng.random() < 0.7:
+            # As the link layer does (services/gm/links.py, _coalesce): consecutive Activities for one
+            # receiver at one view travel as one, their entries in order.
+            assert isinstance(queued.body, Activity) and isinstance(message.body, Activity)
+            queued.body.entries.extend(message.body.entries)
+            return
         arrival = max(world.scheduler.now_ms + world.rng.randint(1, 15), self.link_clock.get(message.receiver, 0))
         self.link_clock[message.receiver] = arrival
+        self.queued[message.receiver] = message
 
         def arrive() -> None:
+            if self.queued.get(message.receiver) is message:
+                del self.queued[message.receiver]
             receiver = world.member(message.receiver)
             if self.crashed or receiver is None or not world.linked(self.node, node):
                 return  # lost with its sender, or across a cut
@@ -285,3 +297,14 @@ class SimMember:
 
                 world.scheduler.at(delay, report)
         world.scheduler.at(world.rng.randint(200, 400), self._detect)
+
+
+def _mergeable(first: RingMessage, then: RingMessage) -> bool:
+    return (
+        isinstance(first.body, Activity)
+        and isinstance(then.body, Activity)
+        and bool(first.body.entries)
+        and bool(then.body.entries)
+        and (first.group, first.sender, first.receiver, first.view_version)
+        == (then.group, then.sender, then.receiver, then.view_version)
+    )
