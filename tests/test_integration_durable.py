@@ -137,7 +137,7 @@ async def _master_stays_away(directory: Path) -> dict[str, float]:
     status = await _wait_for_status(client, queue, lambda s: s.master_node in ("node2", "node3") and s.depth, 30)
     back_after = time.monotonic() - restarted
     assert status.depth == PUBLISHED, f"{status.depth} messages recovered, {PUBLISHED} confirmed"
-    assert "recovered from this node's log" in status.status
+    assert [e.node for e in status.events if e.kind == "recovered"] == [status.master_node], status.events
     delivered: list[int] = []
     consumer = client.consumer(queue, prefetch=0)
     async for delivery in consumer:
