@@ -3,6 +3,7 @@
 #   make demo     a 3-node cluster, a mirrored queue through a SIGKILL of its master, the Spark lifecycle report
 #   make demo-ring  the GM ring alone through a member kill: what each member delivered
 #   make sim      run the deterministic ring simulation over SEEDS seeds (default 20000)
+#   make sim-queues  run the deterministic simulation of a mirrored durable queue over SEEDS seeds (default 20000)
 #   make bench-gm measure confirmed-broadcast throughput through a 3-member ring of processes
 #   make bench    ringq mirrored queues vs RabbitMQ classic mirrored queues (W1-W3), updates docs/benchmarks.md
 #   make bench-tracing  W1 with tracing off against a commit without the tracing hooks
@@ -14,7 +15,7 @@ GEN := clients/python/ringq/v1
 PROTOS := $(wildcard protos/ringq/v1/*.proto)
 SEEDS ?= 20000
 
-.PHONY: all setup setup-node setup-zookeeper setup-rabbitmq protos lint test sim demo demo-ring bench bench-gm bench-tracing bench-reference clean
+.PHONY: all setup setup-node setup-zookeeper setup-rabbitmq protos lint test sim sim-queues demo demo-ring bench bench-gm bench-tracing bench-reference clean
 
 all: test
 
@@ -69,6 +70,9 @@ test: setup setup-node setup-zookeeper lint
 
 sim: setup
 	$(PY) -m tests.sim.run --seeds $(SEEDS)
+
+sim-queues: setup
+	$(PY) -m tests.sim.run_queues --seeds $(SEEDS)
 
 demo: setup
 	$(PY) -m services.demo

@@ -346,14 +346,13 @@ class Node:
 
     def _suspicion(self, watched: Watched) -> str | None:
         """Why `watched`'s node is suspected (the evidence), or None: silent for the failure
-        timeout (for a join target, not counting from before the watch began), or, for a
-        neighbour, its link broke and its port refuses a new one (its process is gone)."""
-        silent_seconds = self.links.silent_for(watched.node)
-        if watched.since is not None:
-            silent_seconds = min(silent_seconds, time.monotonic() - watched.since)
+        timeout, not counting from before the watch began (a link idle or cut before a
+        partition healed says nothing of a new neighbour), or, for a neighbour, its link
+        broke and its port refuses a new one (its process is gone)."""
+        silent_seconds = min(self.links.silent_for(watched.node), time.monotonic() - watched.since)
         if silent_seconds > self.settings.failure_timeout:
             return f"silent {silent_seconds:.1f} s"
-        if watched.since is None and self.links.refused(watched.node):
+        if watched.neighbour and self.links.refused(watched.node):
             return "its port refuses connections"
         return None
 

@@ -42,6 +42,7 @@ from ringq import aio
 from ringq.v1 import queue_pb2, queue_replication_pb2
 from services import cluster
 from services import node as node_process
+from services.queue.replica_log import current_log_directory
 from tests.clusters import HA_ALL
 
 # ------------------------------------------------------------------------------------- the node's flags
@@ -228,7 +229,7 @@ def queue_log_dir(cluster_directory: Path, node: str, gm_group: str) -> Path:
     data = cluster_directory / "data" / node
     found = [path for path in data.rglob(gm_group) if path.is_dir()]
     assert len(found) == 1, f"{node} has {len(found)} log directories for {gm_group} under {data}: {found}"
-    return found[0]
+    return Path(current_log_directory(str(found[0])))
 
 
 def newest_segment(log_dir: Path) -> Path:

@@ -133,20 +133,11 @@ def _run(
         asyncio.run(asyncio.wait_for(scenario(directory, info), SCENARIO_LIMIT_SECONDS))
 
 
-# Known failures today (the fixes belong in services/, not here); strict: a fix makes them pass, and then
-# the mark must go.
-_STEP_CANCELLED_WITH_ITS_PUBLISHER = pytest.mark.xfail(
-    strict=True,
-    reason="a publish step's deliveries reach the consumer only through the publisher's confirm task "
-    "(services/queue/replica.py publish_in_order, _complete): the publisher's cancel cancels it, the deliveries "
-    "are dropped and the consumer's prefetch slots stay taken",
-)
-# Also the partition tests' (tests/test_partition_integrity.py) when the struck mirror was cut off.
+# Fixed since they were written (the replica core, the coordinator's placement): their marks are gone.
+# What the partition tests still expect to fail is marked there.
 STRUCK_FOR_GOOD = pytest.mark.xfail(
     strict=True,
-    reason="a mirror the master struck from the record (services/queue/replica.py _after_deaths) is never placed "
-    "again while its node stays live: the coordinator re-places only when the set of live nodes changes "
-    "(services/coordinator/server.py _place_on_liveness_changes)",
+    reason="after a cut between master and mirror, the replica struck is not back within the deadline",
 )
 
 
@@ -238,7 +229,6 @@ async def _publisher_cut_off(directory: Path, info: cluster.ClusterInfo) -> None
     await on_master.close()
 
 
-@_STEP_CANCELLED_WITH_ITS_PUBLISHER
 def test_a_publisher_cut_off_mid_step_leaves_nothing_behind(tmp_path: Path) -> None:
     _run(tmp_path / "cluster", PATIENT_NODE_ARGS, _publisher_cut_off)
 
@@ -442,6 +432,5 @@ async def _struck_mirror_returns(directory: Path, info: cluster.ClusterInfo) -> 
     await client.close()
 
 
-@STRUCK_FOR_GOOD
 def test_a_mirror_struck_from_the_record_comes_back_by_itself(tmp_path: Path) -> None:
     _run(tmp_path / "cluster", NODE_ARGS, _struck_mirror_returns, nodes=2)

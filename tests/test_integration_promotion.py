@@ -110,7 +110,8 @@ async def _always(directory: Path) -> None:
         assert time.monotonic() < deadline, "no mirror was promoted"
         await asyncio.sleep(0.1)
     assert status.master_node == "node2", "the eldest mirror is promoted"
-    assert status.depth < MESSAGES and "may be lost" in status.status, (status.depth, status.status)
+    promoted = [e.detail for e in status.events if e.kind == "promoted"]
+    assert status.depth < MESSAGES and promoted and "may be lost" in promoted[-1], (status.depth, status.events)
     for c in (client, survivors):
         await c.close()
 

@@ -59,24 +59,6 @@ COORDINATOR_LIVENESS_SECONDS = 5.0  # the coordinator's default (services/coordi
 POLL_SECONDS = 0.1
 
 
-# Known failures today (besides STRUCK_FOR_GOOD): the fixes belong in services/, not here; strict: a fix
-# makes them pass, and then the mark must go.
-_NO_FLOOR = pytest.mark.xfail(
-    strict=True,
-    reason="a master with no synchronised mirror left confirms alone: there is no ha-min-synchronised floor",
-)
-_NO_EVENTS = pytest.mark.xfail(
-    strict=True,
-    reason="QueueInfo.events is never filled (services/queue/service.py _info) and nothing says below_min_synchronised",
-)
-_LIVE_MASTER_RECORDED_DEAD = pytest.mark.xfail(
-    strict=True,
-    reason="after the heal a member of the cut-off side, rejoining, suspects node1's live member (its link to "
-    "node1 not up again yet) and records it dead: node1's replica stops ('stopped: recorded dead') while the "
-    "record keeps node1 master, and the queue never serves again",
-)
-
-
 # ============================================================================ the drivers (in namespaces)
 
 
@@ -412,7 +394,6 @@ def lone_side(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathF
     return run
 
 
-@_NO_FLOOR
 def test_the_lone_side_confirms_nothing_during_the_partition(lone_side: _Run) -> None:
     assert lone_side.during["not_live"], f"the coordinator still counted cut-off nodes live: {lone_side.during}"
     late = lone_side.confirms_between(LONE, lone_side.cut_at + partition.CUT_MARGIN, lone_side.healed_at)
@@ -423,7 +404,6 @@ def test_the_lone_side_confirms_nothing_during_the_partition(lone_side: _Run) ->
     )
 
 
-@_NO_EVENTS
 def test_the_lone_side_says_it_is_below_its_minimum_of_synchronised_mirrors(lone_side: _Run) -> None:
     """While it holds confirms, QueueStatus through the lone node says why; or it answers nothing (UNAVAILABLE)
     by the end of the partition."""
@@ -437,7 +417,6 @@ def test_the_lone_side_says_it_is_below_its_minimum_of_synchronised_mirrors(lone
     )
 
 
-@_LIVE_MASTER_RECORDED_DEAD
 def test_after_the_heal_the_cluster_converges(lone_side: _Run) -> None:
     converged = lone_side.converged
     assert converged["converged"], (
@@ -447,7 +426,6 @@ def test_after_the_heal_the_cluster_converges(lone_side: _Run) -> None:
     print(f"converged {converged['at'] - lone_side.healed_at:.1f}s after the heal")
 
 
-@_LIVE_MASTER_RECORDED_DEAD
 def test_after_the_heal_every_confirmed_message_is_delivered_in_order(lone_side: _Run) -> None:
     lone_side.check_every_confirmed_message_delivered_in_order()
 

@@ -88,17 +88,23 @@ class Neighbours:
     left_node: str
     right: str
     right_node: str
+    # When each became this member's neighbour (time.monotonic()): a neighbour's silence counts from
+    # then at the earliest, so a link that was idle or broken before (a partition just healed) does not
+    # make a new neighbour suspect at once.
+    left_since: float = 0.0
+    right_since: float = 0.0
 
 
 @dataclass(frozen=True)
 class Watched:
     """A member this one watches for failure, on `node`. `since` (time.monotonic())
-    is when the watch began, for a join target: its silence counts from then at
-    the earliest; None for a neighbour (its link's silence counts as it is)."""
+    is when the watch began: its silence counts from then at the earliest.
+    `neighbour` is False for a join target."""
 
     member: str
     node: str
-    since: float | None = None
+    since: float = 0.0
+    neighbour: bool = True
 
 
 @dataclass
@@ -209,12 +215,13 @@ class MemberShell:
         if self.stopped is not None:
             return []
         out: list[Watched] = []
-        if self.neighbours is not None:
-            out.append(Watched(self.neighbours.left, self.neighbours.left_node))
-            out.append(Watched(self.neighbours.right, self.neighbours.right_node))
+        neighbours = self.neighbours
+        if neighbours is not None:
+            out.append(Watched(neighbours.left, neighbours.left_node, neighbours.left_since))
+            out.append(Watched(neighbours.right, neighbours.right_node, neighbours.right_since))
         if self.join_request is not None:
             request = self.join_request
-            out.append(Watched(request.left, request.node, request.since))
+            out.append(Watched(request.left, request.node, request.since, neighbour=False))
         return out
 
     def report_down(self, member: str, evidence: str) -> None:
@@ -305,7 +312,12 @@ class MemberShell:
             if reply is not None and not reply.done():
                 reply.set_result(action.group)
         elif isinstance(action, WatchNeighbours):
-            self.neighbours = Neighbours(action.left, action.left_node, action.right, action.right_node)
+            now, old = time.monotonic(), self.neighbours
+            left_since = old.left_since if old is not None and old.left == action.left else now
+            right_since = old.right_since if old is not None and old.right == action.right else now
+            self.neighbours = Neighbours(
+                action.left, action.left_node, action.right, action.right_node, left_since, right_since
+            )
             self.host.neighbours_changed()
         elif isinstance(action, Stopped):
             self._finish(action)

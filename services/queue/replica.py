@@ -17,9 +17,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
-from typing import Protocol
+from collections.abc import Awaitable
 
 from ringq import tracing
 from services.coordinator.metadata import QueueRecord
@@ -28,7 +26,6 @@ from services.gm.messages import Deliver as GmDeliver
 from services.gm.messages import Joined, MembersChanged, Stopped
 from services.queue import traces, wire
 from services.queue.master import Delivery, Publish, PublishOutcome, QueueError, QueueMaster, Settlement
-from services.queue.metrics import QueueMetrics
 from services.queue.ops import Enqueue, MirrorSays, Report, Settle
 from services.queue.replica_core import (
     AbandonSteps,
@@ -43,13 +40,13 @@ from services.queue.replica_core import (
     QueueEvent,
     ReleaseConfirms,
     ReplicaCore,
-    ReplicaTimers,
     Stop,
     UpdateRecord,
     WatchDisk,
     WriteLog,
     describe,
 )
+from services.queue.replica_host import Consumer, ReplicaHost
 from services.queue.replica_log import ReplicaLog
 
 log = logging.getLogger("ringq.queue")
@@ -58,34 +55,6 @@ _QUIET_EVENTS = {"promoted", "recovered", "min_synchronised_restored", "disk_rec
 
 def now_ms() -> int:
     return int(time.time() * 1000)
-
-
-class ReplicaHost(Protocol):
-    """What a replica needs from its node."""
-
-    node_id: str
-    metrics: QueueMetrics | None
-    timers: ReplicaTimers
-
-    def new_member(self, group: str, events: Callable[[MemberEvent], None]) -> MemberShell: ...
-
-    async def update_record(
-        self, record: QueueRecord, change: Callable[[QueueRecord], QueueRecord | None]
-    ) -> QueueRecord: ...
-
-    async def dead_letter(self, vhost: str, queue: str, bodies: list[Publish]) -> None: ...
-
-    def queue_dir(self, record: QueueRecord) -> str: ...
-
-    def disk_alarm(self) -> str: ...
-
-    def replica_stopped(self, replica: QueueReplica) -> None: ...
-
-
-@dataclass
-class Consumer:
-    tag: str
-    deliveries: asyncio.Queue[Delivery | None] = field(default_factory=asyncio.Queue)
 
 
 class QueueReplica:
@@ -104,6 +73,7 @@ class QueueReplica:
         self._waiters: dict[int, tuple[asyncio.Future[object], object]] = {}
         self._timer: asyncio.TimerHandle | None = None
         self._tasks: set[asyncio.Future[None]] = set()
+        self.serving = asyncio.Event()  # set while this replica is the queue's master
         self.stopped = False
 
     # ---------------------------------------------------------------- views (QueueService)
@@ -306,6 +276,10 @@ class QueueReplica:
             if self.stopped and not isinstance(effect, Noted):
                 break
             self._carry_out(effect)
+        if self.core.is_master and not self.stopped:
+            self.serving.set()
+        else:
+            self.serving.clear()
         self._arm()
 
     def _carry_out(self, effect: Effect) -> None:

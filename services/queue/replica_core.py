@@ -1209,9 +1209,15 @@ class ReplicaCore:
         self.master_member = self.member
         self._notices = []
         state = self.master = _MasterState(core, next_depth_ms=now_ms + self.timers.depth_report_interval_ms)
-        # The floor as it starts, silently: mirrors of a new master catch up within a depth report.
         state.below_floor = len(self.synchronised_live()) < self.floor()
-        return []
+        if not state.below_floor or self.record.master_epoch <= 1:
+            return []  # a new queue's mirrors catch up within a depth report: nothing worth an event
+        return self._event(
+            now_ms,
+            "below_min_synchronised",
+            f"{len(self.synchronised_live())} synchronised mirror(s) alive, ha-min-synchronised is "
+            f"{self.floor()}: confirms are held",
+        )
 
     # ------------------------------------------------------------------- recovery
 

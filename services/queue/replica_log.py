@@ -276,6 +276,15 @@ class ReplicaLog:
                     os.unlink(path)  # a log from before generations, replaced
 
 
+def current_log_directory(directory: str) -> str:
+    """Where a replica's log is now (the generation CURRENT names, or `directory` itself for a log
+    written before generations), for tools and tests that look at the files."""
+    name = ""
+    with contextlib.suppress(FileNotFoundError), open(os.path.join(directory, CURRENT)) as file:
+        name = file.read().strip()
+    return os.path.join(directory, name) if name else directory
+
+
 def _encoded(message: Message) -> bytes:
     return wire.message_to_proto(message).SerializeToString()
 

@@ -43,6 +43,8 @@ MAX_BODY_BYTES = 16 * 1024 * 1024
 # responses carried batches), so a batch is never larger than one delivery may be.
 MAX_DELIVERIES_PER_RESPONSE = 256
 MAX_RESPONSE_BODY_BYTES = 1024 * 1024
+# How long a call waits for a master replica of this node that is starting (a queue just declared) to serve.
+MASTER_STARTING_WAIT_S = 5.0
 _Context = grpc.aio.ServicerContext[Any, Any]
 _Answer = TypeVar("_Answer")
 _T = TypeVar("_T")
@@ -167,6 +169,10 @@ class QueueServicer(queue_pb2_grpc.QueueServiceServicer):
         record = await self._record(ref)
         if record.master == self.node_id:
             replica = self.manager.local(record.vhost, record.name) or await self.manager.ensure(record)
+            if replica is not None and not replica.is_master:
+                # A new queue's master serves once it has joined its group and claimed its first term.
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(replica.serving.wait(), MASTER_STARTING_WAIT_S)
             if replica is None or not replica.is_master:
                 raise Refused(grpc.StatusCode.UNAVAILABLE, f"queue {record.name!r}: its master is starting; retry")
             return replica, None, record

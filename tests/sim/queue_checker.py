@@ -103,6 +103,14 @@ class QueueChecker:
 
     # ---------------------------------------------------------------- the end
 
+    def converged(self) -> bool:
+        """Has the liveness phase reached what `check_converged` demands?"""
+        try:
+            self.check_converged()
+        except AssertionError:
+            return False
+        return True
+
     def check_converged(self) -> None:
         sim = self.sim
         lost = sorted(self.confirmed - set(self.delivered))

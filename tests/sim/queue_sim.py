@@ -141,7 +141,9 @@ class QueueSimulation:
             self._plan_faults()
             self.scheduler.run_until(self.config.fault_phase_ms, self.checker.check_step)
             self._heal()
-            self.scheduler.run_until(self.config.fault_phase_ms + self.config.liveness_ms, self.checker.check_step)
+            deadline = self.config.fault_phase_ms + self.config.liveness_ms
+            while self.scheduler.now_ms < deadline and not self.checker.converged():
+                self.scheduler.run_until(min(deadline, self.scheduler.now_ms + 2000), self.checker.check_step)
             self.checker.check_converged()
         except AssertionError as error:
             raise AssertionError(f"seed {self.seed} at t={self.scheduler.now_ms}ms: {error}") from error
@@ -180,6 +182,12 @@ class QueueSimulation:
 
     def _write_record(self, record: QueueRecord) -> None:
         self.record = replace(record, version=self.record.version + 1)
+        if self.trace:
+            r = self.record
+            print(
+                f"{self.now():>7} RECORD v{r.version} master={r.master} epoch={r.master_epoch} mirrors={r.mirrors} "
+                f"synchronised={r.synchronised_mirrors} claims={dict(r.recovery_positions)}"
+            )
         self.checker.on_record(self.record)
         written = self.record
         for node in self.nodes.values():
@@ -257,6 +265,8 @@ class QueueSimulation:
     def _fault(self, kind: str) -> None:
         if not self.faults:
             return
+        if self.trace:
+            print(f"{self.now():>7} FAULT {kind}")
         rng = self.rng
         up = [n for n in self.nodes.values() if n.up]
         duration = rng.randint(500, 5000)
