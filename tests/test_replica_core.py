@@ -356,3 +356,12 @@ def test_a_replica_that_hears_a_serving_master_follows_it_without_claiming() -> 
     driven = recovered("node2", Position(3, 50), Message(7, b"seven", persistent=True))
     driven.reports("node1.x", 70, Depth(1, 3))
     assert driven.core.role is Role.MIRROR and driven.record.recovery_positions == {}
+
+
+def test_a_damaged_loser_tells_the_master_of_its_damage_in_its_own_name() -> None:
+    """Found by the disk fault test: the notice was made before the replica's member existed, so the
+    master recorded the damage as its own."""
+    driven = recovered("node3", Position(3, 10), Message(7, b"seven", persistent=True), damaged=True)
+    driven.reports("node1.x", 70, Depth(1, 3))
+    notices = [s for s in driven.said() if isinstance(s, Noticed)]
+    assert [(n.member, n.kind) for n in notices] == [("node3.x", "log_damaged")]

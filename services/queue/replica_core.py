@@ -379,7 +379,7 @@ class ReplicaCore:
         self._flush_seqs: dict[int, int] = {}  # a mirror's flush -> the report it covers to
         self._synchronised_flush = 0  # a mirror says it is synchronised once this flush is done
         self._said_persisted = ("", 0)
-        self._notices: list[Noticed] = []  # for the master, once this mirror hears it
+        self._notices: list[tuple[str, str]] = []  # (kind, detail) for the master, once this mirror hears it
         # Looking and recovering.
         self.look_until_ms = 0
         self.recovery_until_ms = 0
@@ -1036,8 +1036,8 @@ class ReplicaCore:
         mirror = self.mirror
         assert mirror is not None
         effects: list[Effect] = []
-        for notice in self._notices:
-            effects += self._say(notice)
+        for kind, detail in self._notices:
+            effects += self._say(Noticed(self.member, kind, detail))
         self._notices = []
         if not self.replicates_messages:
             mirror.synchronised = True
@@ -1366,7 +1366,7 @@ class ReplicaCore:
             return [Noted(event), *self._say(Noticed(self.member, kind, detail))]
         self.events.append(event)
         if self.role is not Role.MASTER and not node:
-            self._notices.append(Noticed(self.member, kind, detail))
+            self._notices.append((kind, detail))
         return [Noted(event)]
 
     @staticmethod
