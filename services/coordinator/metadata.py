@@ -195,6 +195,11 @@ def _placed(
         )
     current = placement.Placement(queue.master, queue.mirrors) if queue.master else None
     candidates = [node for node in live_nodes if node not in unproven_nodes or node in queue.replicas] or live_nodes
+    # A synchronised mirror is struck from the record only by its queue's master, which sees its ring member
+    # die; placement keeps it while its node is not live, so that after a restart of every node the replicas
+    # still know whose log to wait for before electing one (services/queue/durability.py).
+    kept = [m for m in queue.synchronised_mirrors if m in queue.mirrors and m not in candidates]
+    candidates = [*candidates, *kept]
     if replication == "none":
         definition_for_placement: Mapping[str, Any] | None = None
     else:

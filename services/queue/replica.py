@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections import deque
 from collections.abc import Awaitable
 
 from ringq import tracing
@@ -74,6 +75,8 @@ class QueueReplica:
         self._timer: asyncio.TimerHandle | None = None
         self._tasks: set[asyncio.Future[None]] = set()
         self.serving = asyncio.Event()  # set while this replica is the queue's master
+        self._to_do: deque[Effect] = deque()
+        self._executing = False
         self.stopped = False
 
     # ---------------------------------------------------------------- views (QueueService)
@@ -269,13 +272,22 @@ class QueueReplica:
     # ---------------------------------------------------------------- effects
 
     def _execute(self, effects: list[Effect]) -> None:
+        """Carry out effects in the order the core emitted them; what carrying one out feeds back into the
+        core (a disk failing at once) queues behind what is still to do, never ahead of it."""
         if log.isEnabledFor(logging.DEBUG):
             for effect in effects:
                 log.debug("queue %s on %s (%s): %s", self.record.name, self.host.node_id, self.status, describe(effect))
-        for effect in effects:
-            if self.stopped and not isinstance(effect, Noted):
-                break
-            self._carry_out(effect)
+        self._to_do.extend(effects)
+        if self._executing:
+            return
+        self._executing = True
+        try:
+            while self._to_do:
+                effect = self._to_do.popleft()
+                if not self.stopped or isinstance(effect, Noted):
+                    self._carry_out(effect)
+        finally:
+            self._executing = False
         if self.core.is_master and not self.stopped:
             self.serving.set()
         else:

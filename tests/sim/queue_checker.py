@@ -10,7 +10,9 @@ Checked as it happens:
   duplicate, counted, as at-least-once allows) once the queue forgot its publisher sequence number;
 - no replica finds itself inconsistent with its master unless its disk was faulted.
 Checked once the liveness phase ends: every confirmed message was delivered; one master serves;
-every live node is a synchronised mirror holding exactly the master's messages.
+every live node is a synchronised mirror holding exactly the master's messages. One loss is allowed, as
+the README says: when the recovery wait ran out before every listed replica came back, and the disks of
+those that did were damaged or cut, what only a late replica held is given up.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ class QueueChecker:
         self.faulted_disks: set[str] = set()
         self.events: list[QueueEvent] = []
         self.deliveries = 0
+        self.recovered_without: list[str] = []  # listed replicas an election went ahead without
 
     # ---------------------------------------------------------------- events
 
@@ -98,6 +101,13 @@ class QueueChecker:
     def on_disk_fault(self, node: str) -> None:
         self.faulted_disks.add(node)
 
+    def on_recovery_without(self, nodes: list[str]) -> None:
+        self.recovered_without += nodes
+
+    def given_up(self) -> bool:
+        """May confirmed messages have been given up (see the module docstring)?"""
+        return bool(self.recovered_without) and bool(self.faulted_disks)
+
     def check_step(self) -> None:
         pass
 
@@ -114,7 +124,7 @@ class QueueChecker:
     def check_converged(self) -> None:
         sim = self.sim
         lost = sorted(self.confirmed - set(self.delivered))
-        assert not lost, f"{len(lost)} confirmed messages never delivered: {lost[:10]}"
+        assert not lost or self.given_up(), f"{len(lost)} confirmed messages never delivered: {lost[:10]}"
         unconfirmed = sorted(set(range(1, sim.config.messages + 1)) - self.confirmed)
         assert not unconfirmed, f"{len(unconfirmed)} messages never confirmed: {unconfirmed[:10]}"
         master = sim.master_replica()

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import random
+from collections import deque
 from dataclasses import dataclass, field, replace
 
 from services.coordinator.metadata import QueueRecord
@@ -181,7 +182,17 @@ class QueueSimulation:
         self.scheduler.at(self.rng.randint(1, 8), attempt)
 
     def _write_record(self, record: QueueRecord) -> None:
+        previous = self.record
         self.record = replace(record, version=self.record.version + 1)
+        if (
+            previous.recovery_positions
+            and not record.recovery_positions
+            and record.master_epoch > previous.master_epoch
+        ):
+            listed = [n for n in (previous.master, *previous.synchronised_mirrors) if n]
+            missing = [n for n in listed if n not in previous.recovery_positions]
+            if missing:
+                self.checker.on_recovery_without(missing)
         if self.trace:
             r = self.record
             print(
@@ -206,6 +217,8 @@ class QueueSimulation:
         """Policies applied live: every live node that is not the master mirrors the queue."""
         live = sorted(n.name for n in self.nodes.values() if n.up and n.reaches_coordinator)
         record = self.record
+        # As the coordinator's placement: a synchronised mirror is struck only by the queue's master.
+        live += [m for m in record.synchronised_mirrors if m in record.mirrors and m not in live]
         if record.master in live:
             mirrors = tuple(m for m in record.mirrors if m in live) + tuple(
                 n for n in live if n != record.master and n not in record.mirrors
@@ -353,8 +366,9 @@ class SimReplica:
         self.core = ReplicaCore(node.name, record, sim.now(), TIMERS)
         self.member: SimMember | None = None
         self.gone = False
-        self.confirm_waits: list[int] = []
         self.flushes: list[int] = []
+        self.to_do: deque[Effect] = deque()
+        self.executing = False
         self.wakeup = None
 
     def start(self) -> None:
@@ -411,13 +425,21 @@ class SimReplica:
     # ---------------------------------------------------------------- effects
 
     def execute(self, effects: list[Effect]) -> None:
+        """Carry out effects in the order the core emitted them. Carrying one out may feed the core again
+        (a broadcast lets the member take its next input, whose deliveries reach the core): what that
+        returns queues behind what is still to do, never ahead of it."""
         if self.sim.trace:
             for effect in effects:
                 print(f"{self.sim.now():>7} {self.member_id:<6} {self.core.role.value:<10} {describe(effect)}")
-        for effect in effects:
-            if self.gone:
-                return
-            self._carry_out(effect)
+        self.to_do.extend(effects)
+        if self.executing:
+            return
+        self.executing = True
+        try:
+            while self.to_do and not self.gone:
+                self._carry_out(self.to_do.popleft())
+        finally:
+            self.executing = False
         self.sim.checker.after_effects(self)
 
     def _carry_out(self, effect: Effect) -> None:

@@ -22,7 +22,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     seeds = [args.seed] if args.seed is not None else range(args.first, args.first + args.seeds)
     started = time.monotonic()
-    checked = events = confirmed = deliveries = duplicates = 0
+    checked = events = confirmed = deliveries = duplicates = given_up_runs = given_up = 0
     failures = 0
     for seed in seeds:
         simulation = QueueSimulation(seed)
@@ -38,10 +38,15 @@ def main(argv: list[str] | None = None) -> int:
         confirmed += len(simulation.checker.confirmed)
         deliveries += simulation.checker.deliveries
         duplicates += simulation.checker.duplicates
+        lost = len(simulation.checker.confirmed - set(simulation.checker.delivered))
+        given_up_runs += 1 if lost else 0
+        given_up += lost
     elapsed = time.monotonic() - started
     print(
         f"checked {checked} seeds ({failures} failed): {events} events, {confirmed} confirmed messages, "
-        f"{deliveries} deliveries ({duplicates} duplicates of resent publishes) in {elapsed:.1f}s"
+        f"{deliveries} deliveries ({duplicates} duplicates of resent publishes) in {elapsed:.1f}s; "
+        f"{given_up} confirmed messages given up in {given_up_runs} runs whose recovery wait ran out "
+        "before every listed replica was back, the others' disks damaged"
     )
     return 1 if failures else 0
 

@@ -365,7 +365,14 @@ def _warn_unanswered(statuses: Sequence[queue_pb2.QueueInfo | str]) -> None:
         )
 
 
-_STATUS_FIELDS = ("depth", "ready", "unacked", "consumers", "syncing", "status")
+_STATUS_FIELDS = ("depth", "ready", "unacked", "consumers", "syncing", "status", "events")
+# The table shows this many of a queue's most recent events (`--json` shows them all).
+_EVENTS_SHOWN = 3
+
+
+def _recent_events(info: queue_pb2.QueueInfo) -> str:
+    """The queue's newest events, newest last, as KIND@NODE (a damaged log, a failed disk...)."""
+    return ", ".join(f"{event.kind}@{event.node}" for event in info.events[-_EVENTS_SHOWN:]) or "-"
 
 
 def list_queues(c: Coordinators, args: argparse.Namespace) -> tuple[Any, str]:
@@ -377,11 +384,11 @@ def list_queues(c: Coordinators, args: argparse.Namespace) -> tuple[Any, str]:
         entry = _as_json(q)
         if isinstance(info, str):
             entry.update(dict.fromkeys(_STATUS_FIELDS), status_error=info)
-            counts = ["-", "-", "-", "-"]
+            counts = ["-", "-", "-", "-", "-"]
         else:
             shown = _as_json(info)
-            entry.update({key: shown[key] for key in _STATUS_FIELDS}, status_error=None)
-            counts = [str(info.depth), str(info.unacked), str(info.consumers), info.status or "-"]
+            entry.update({key: shown.get(key, []) for key in _STATUS_FIELDS}, status_error=None)
+            counts = [str(info.depth), str(info.unacked), str(info.consumers), info.status or "-", _recent_events(info)]
         entries.append(entry)
         names = [q.vhost, q.name, q.master, _names(q.mirrors), _names(q.synchronised_mirrors), q.policy or "-"]
         rows.append([*names, *counts])
@@ -397,6 +404,7 @@ def list_queues(c: Coordinators, args: argparse.Namespace) -> tuple[Any, str]:
         "unacked",
         "consumers",
         "status",
+        "events",
     ]
     return {"queues": entries}, _table(rows, headers)
 
