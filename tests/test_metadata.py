@@ -82,6 +82,24 @@ def test_a_queue_whose_master_is_not_live_keeps_its_placement() -> None:
     assert set(metadata.get_queue(store, "/", "ha.q").mirrors) == set(others)
 
 
+def test_a_synchronised_mirror_whose_node_is_down_stays_until_its_master_strikes_it() -> None:
+    """Found by tests/sim/queue_sim.py (seed 20784): after a restart of every node the master's node was
+    back first; placement dropped a synchronised mirror whose node was not yet, and the recovery that
+    followed did not wait for that mirror's log, which alone still held two confirmed messages."""
+    store = MemoryStore()
+    metadata.set_policy(store, Policy("/", "all", "^ha\\.", {"ha-mode": "all"}), NODES)
+    queue = _declare(store, "ha.q")
+    down = queue.mirrors[0]
+    metadata.update_queue(store, replace(queue, synchronised_mirrors=(down,)), queue.version)
+    metadata.apply_policies(store, "", [n for n in NODES if n != down])
+    kept = metadata.get_queue(store, "/", "ha.q")
+    assert down in kept.mirrors and kept.synchronised_mirrors == (down,)
+    # An unsynchronised mirror on a node that is down makes way as before.
+    unsynchronised = next(n for n in kept.mirrors if n != down)
+    metadata.apply_policies(store, "", [kept.master, down])
+    assert unsynchronised not in metadata.get_queue(store, "/", "ha.q").mirrors
+
+
 def test_the_highest_priority_policy_wins() -> None:
     store = MemoryStore()
     metadata.set_policy(store, Policy("/", "low", ".*", {"ha-mode": "all"}, priority=0), NODES)
