@@ -105,9 +105,9 @@ def test_declare_list_consumers_purge_and_delete(info: cluster.ClusterInfo) -> N
         table = await asyncio.to_thread(ok, info, "list_queues")
         assert table.splitlines()[0].split() == [
             *["vhost", "name", "master", "mirrors", "synchronised", "policy"],
-            *["depth", "unacked", "consumers", "status"],
+            *["depth", "unacked", "consumers", "status", "events"],
         ]
-        assert table_row(table, "plain")[-4:] == ["3", "1", "1", "running"]
+        assert table_row(table, "plain")[-5:] == ["3", "1", "1", "running", "-"]
         consumers = await asyncio.to_thread(as_json, info, "list_consumers")
         assert {"vhost": "/", "queue": "plain", "consumers": 1, "status_error": None} in consumers["queues"]
         assert {"vhost": "/", "queue": "capped", "consumers": 0, "status_error": None} in consumers["queues"]
@@ -186,7 +186,7 @@ def test_errors_and_nodes_tried_in_turn(info: cluster.ClusterInfo, dead_address:
     assert entry["status_error"].startswith("UNAVAILABLE: ")
     result = ctl(info, "list_queues", node_env=dead_address)
     assert result.returncode == 0 and result.stderr.startswith("ringqctl: warning: no status for 1 of 1 queue(s)")
-    assert table_row(result.stdout, "strict")[-4:] == ["-", "-", "-", "-"]
+    assert table_row(result.stdout, "strict")[-5:] == ["-", "-", "-", "-", "-"]
     assert as_json(info, "list_consumers", node_env=dead_address)["queues"][0]["consumers"] is None
     failed(info, "--node", dead_address, "delete_queue", "strict", code="UNAVAILABLE")
     ok(info, "delete_queue", "strict")
