@@ -628,7 +628,12 @@ def parser() -> argparse.ArgumentParser:
         help="also write finished spans as JSON lines to DIR/spans-NODE_ID.jsonl (docs/observability.md); "
         "OTEL_EXPORTER_OTLP_ENDPOINT exports over OTLP",
     )
-    out.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    out.add_argument(
+        "--log-level",
+        default=os.environ.get("RINGQ_LOG_LEVEL", "INFO"),
+        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+        help="what the node logs (default: $RINGQ_LOG_LEVEL, else INFO)",
+    )
     return out
 
 

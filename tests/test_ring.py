@@ -331,3 +331,21 @@ def test_a_member_leaving_records_itself_dead_for_that_reason() -> None:
     a = h.cores["a"]
     assert a.view is not None
     assert a.leave() == [WriteGroup(MarkMemberDead(a.view.version, "a", "a"), "left the group")]
+
+
+def test_a_newcomer_whose_joining_catchup_was_lost_joins_with_the_one_re_sent_on_reconnecting() -> None:
+    """Hard case 8, found by the partition test: after a heal, a member added the returning node's
+    newcomer and sent its joining Catchup on a link that was dead but not yet noticed; the Catchup it
+    re-sent on reconnecting was not marked joining, so the newcomer never started."""
+    h = Harness()
+    h.ring("a")
+    h.broadcast("a", b"1")
+    h.start("b", via="a")
+    assert h.drop("a", "b") >= 1  # the joining Catchup is lost
+    assert h.seen["b"].joined is None
+    h.run("a", h.cores["a"].resend_catchup())  # the link layer's on_reconnect
+    h.pump()
+    assert h.seen["b"].joined is not None
+    h.broadcast("a", b"2")
+    h.pump()
+    assert h.seen["b"].delivered["a"] == [b"2"] and h.seen["a"].confirmed == 2

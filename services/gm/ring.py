@@ -102,6 +102,13 @@ Hard cases (each is a test in tests/sim)
    everything from the left until the Catchup, which covers all of it
    (tests/sim/queue_sim.py cuts links between live members).
 
+8. The joining Catchup itself may be lost that way (the link to the
+   newcomer was still the one from before a partition, dead but not yet
+   noticed). A newcomer adopts only a joining Catchup from its adder, so
+   the Catchup re-sent on reconnecting is marked joining when its receiver
+   is a member this one added; a member that has joined treats it as any
+   Catchup.
+
 Invariants (asserted by the simulator after every step)
 -------------------------------------------------------
 - Every dead member in a view is inherited by exactly one live member.
@@ -247,6 +254,9 @@ class RingMember:
         self._awaiting: str | None = None  # "read" | "write"
         self._intents: list[_Intent] = []
         self._adding: dict[str, str] = {}  # newcomer -> node, while its AddMember is decided
+        # Newcomers this member added (still in the view): a Catchup re-sent to one is marked joining,
+        # since its first one may have been lost with a broken link (hard case 8).
+        self._added: set[str] = set()
         self._adder: str | None = None
         self._was_member = False
         self._reported: frozenset[str] = frozenset()
@@ -413,7 +423,8 @@ class RingMember:
         self._expect_no_io()
         if self.stopped or self.publishers is None or self.view is None or self._alone():
             return []
-        return [self._catchup_to_right(joining=False)]
+        me = self.view.live.get(self.id)
+        return [self._catchup_to_right(joining=me is not None and me.right in self._added)]
 
     # ------------------------------------------------------------ group table
 
@@ -546,8 +557,10 @@ class RingMember:
             actions.append(self._catchup_to_right(joining=me.right in self._adding))
         elif old is None or new.version > old.version:
             actions.append(self._send(Activity()))  # view notice
+        self._added &= new.known
         for newcomer in [n for n in self._adding if n in new.known]:
             del self._adding[newcomer]
+            self._added.add(newcomer)
             actions.append(AddOnRightReply(newcomer, self._group))
         return actions
 

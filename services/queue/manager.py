@@ -111,7 +111,7 @@ class QueueManager:
                     else:
                         await self.ensure(queue_from_proto(event.queue))
             except grpc.aio.AioRpcError as error:
-                log.debug("queue watch interrupted: %s", error.code().name)
+                log.info("the coordinator's queue watch was interrupted (%s): resuming", error.code().name)
             await asyncio.sleep(0.2)
 
     async def _drop_key(self, key: str) -> None:
@@ -143,6 +143,7 @@ class QueueManager:
         self._starting[key] = future
         try:
             replica = QueueReplica(self, record)
+            log.info("queue %s: a replica starts on %s (record version %d)", record.name, self.node_id, record.version)
             self._started_at[key] = asyncio.get_running_loop().time()
             await replica.start()
             self.replicas[key] = replica
