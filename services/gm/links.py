@@ -8,7 +8,10 @@ silent (the failure detector's input).
 
 Guarantees:
 - At most one stream per pair is active. If both nodes dial at once, the dial
-  of the node whose id sorts first wins; the other is refused.
+  of the node whose id sorts first wins; the other is refused. A dial from a
+  peer we hold a stream with replaces that stream: a node dials only when it
+  has none, so ours is dead at its end (it restarted, or gave the stream up
+  during a partition that has healed).
 - Frames queued for a peer are sent in order on the active stream. Frames
   written to a stream that breaks may be lost: the node is told of every new
   stream after the first (`on_reconnect`) so that members re-send a Catchup,
@@ -233,13 +236,13 @@ class LinkManager:
         if hello.node == self.node:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a node cannot link to itself")
         link = self._link(hello.node)
-        same_peer = link.peer_incarnation == hello.incarnation
-        if link.active and same_peer:
-            await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"a link with {hello.node} is already up")
         if link.dialing and self.node < hello.node and not link.active:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"{self.node} is dialling {hello.node}")
         if link.active and link.stop_stream is not None:
-            link.stop_stream()  # the peer restarted: its old stream is dead
+            # A peer dials only when it has no stream with us: the one we hold is dead at its end (it
+            # restarted, or it gave that stream up during a partition that has healed since, while ours
+            # still looked alive). Refusing the new one would leave frames going into the old one, lost.
+            link.stop_stream()
         await context.write(frame(hello=peer_pb2.Hello(node=self.node, incarnation=self.incarnation)))
         await self._carry(link, hello, context.read, context.write, lambda: None)
 
@@ -278,10 +281,11 @@ class LinkManager:
             for task in (writer, reader):
                 with contextlib.suppress(BaseException):
                     await task
-            link.active = False
-            link.stop_stream = None
-            if not self._closed:
-                self._ensure_dial(link)
+            if link.stop_stream is stop:  # else a newer stream replaced this one: the link is its now
+                link.active = False
+                link.stop_stream = None
+                if not self._closed:
+                    self._ensure_dial(link)
 
     async def _write_loop(self, link: _Link, write: Callable[[peer_pb2.PeerFrame], Awaitable[None]]) -> None:
         outbox = link.outbox

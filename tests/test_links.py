@@ -1,0 +1,82 @@
+"""Links between nodes (services/gm/links.py), with two real LinkManagers over gRPC on 127.0.0.1."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from typing import Any
+
+import grpc
+
+from ringq.v1 import peer_pb2, peer_pb2_grpc
+from services.gm.links import LinkManager
+
+
+class _Peer(peer_pb2_grpc.PeerServiceServicer):
+    def __init__(self, links: LinkManager) -> None:
+        self.links = links
+
+    async def Link(self, request_iterator: Any, context: grpc.aio.ServicerContext[Any, Any]) -> None:  # type: ignore[override]
+        await self.links.accept(context)
+
+
+class _Node:
+    def __init__(self, name: str, addresses: dict[str, str]) -> None:
+        self.received: list[str] = []
+        self.reconnects: list[str] = []
+
+        async def address_of(node: str) -> str | None:
+            return addresses.get(node)
+
+        def on_message(peer: str, message: Any) -> None:
+            self.received.append(message.group)
+
+        self.links = LinkManager(name, f"{name}-incarnation", address_of, on_message, self.reconnects.append, 0.05)
+        self.server = grpc.aio.server()
+        peer_pb2_grpc.add_PeerServiceServicer_to_server(_Peer(self.links), self.server)
+        port = self.server.add_insecure_port("127.0.0.1:0")
+        addresses[name] = f"127.0.0.1:{port}"
+
+    async def close(self) -> None:
+        await self.links.close()
+        await self.server.stop(None)
+
+
+async def _until(condition: Callable[[], bool], seconds: float = 5.0) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, "the condition did not hold in time"
+        await asyncio.sleep(0.01)
+
+
+def _message(group: str) -> peer_pb2.RingMessage:
+    return peer_pb2.RingMessage(group=group, sender="x", receiver="y", view_version=1)
+
+
+def test_a_peer_that_dials_again_replaces_the_stream_we_thought_was_up() -> None:
+    """Found by the partition test: after a heal, node2 had given its stream to node1 up while node1's
+    end still looked alive; node1 refused node2's new dials (ALREADY_EXISTS) and its frames, a newcomer's
+    joining Catchup among them, went into the dead stream for good."""
+
+    async def scenario() -> None:
+        addresses: dict[str, str] = {}
+        one, two = _Node("node1", addresses), _Node("node2", addresses)
+        for node in (one, two):
+            await node.server.start()
+        try:
+            one.links.send("node2", _message("before"))
+            await _until(lambda: two.received == ["before"])
+            # node2 gives up its end without node1 noticing: it forgets the link and dials again.
+            stale = two.links._links.pop("node1")
+            assert stale.stop_stream is not None
+            stale.outbox = asyncio.Queue()  # what node2 queued there is gone with it
+            two.links.want({"node1"})
+            await _until(lambda: one.reconnects == ["node2"])  # node1 took the new stream, and says so
+            one.links.send("node2", _message("after"))
+            await _until(lambda: two.received == ["before", "after"])
+        finally:
+            for node in (one, two):
+                await node.close()
+
+    asyncio.run(asyncio.wait_for(scenario(), 30))
