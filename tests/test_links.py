@@ -20,6 +20,12 @@ class _Peer(peer_pb2_grpc.PeerServiceServicer):
     async def Link(self, request_iterator: Any, context: grpc.aio.ServicerContext[Any, Any]) -> None:  # type: ignore[override]
         await self.links.accept(context)
 
+    async def AddOnRight(
+        self, request: peer_pb2.AddOnRightRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> peer_pb2.AddOnRightResponse:
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "links only")
+        raise AssertionError("unreachable")
+
 
 class _Node:
     def __init__(self, name: str, addresses: dict[str, str]) -> None:
