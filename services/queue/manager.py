@@ -237,7 +237,7 @@ class QueueManager:
                 record = await self.coordinator.get_queue(vhost, queue)
                 replica = self.local(vhost, queue)
                 if replica is not None and replica.is_master:
-                    await replica.publish(items)
+                    await replica.publish_in_order(items)
                 elif self.forward_publish is not None:
                     await self.forward_publish(record, items)
                 return

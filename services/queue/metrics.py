@@ -13,7 +13,8 @@ from collections.abc import Callable, Iterable
 
 from opentelemetry import metrics
 
-from services.queue.master import QueueMaster
+from services.queue.master import QueueMaster, Step
+from services.queue.ops import Enqueue, Settle
 
 
 class QueueMetrics:
@@ -29,6 +30,13 @@ class QueueMetrics:
         self.round_trip = meter.create_histogram("ringq.ring.round_trip", unit="ms")
         meter.create_observable_gauge("ringq.queue.depth", callbacks=[self._depths], unit="{message}")
         meter.create_observable_gauge("ringq.queue.sync_remaining", callbacks=[self._sync], unit="{message}")
+
+    def step_completed(self, queue: str, group: str, step: Step, ring_ms: float) -> None:
+        """A master's step completed `ring_ms` after it was decided: count what it published, delivered, acked."""
+        if step.reports:
+            published = sum(1 for report in step.reports if isinstance(report, Enqueue))
+            acked = sum(len(report.ids) for report in step.reports if isinstance(report, Settle))
+            self.step_done(queue, group, published, len(step.deliveries), acked, ring_ms)
 
     def step_done(self, queue: str, group: str, published: int, delivered: int, acked: int, ring_ms: float) -> None:
         attributes = {"ringq.queue": queue, "ringq.node": self.node}

@@ -18,7 +18,7 @@ import contextlib
 import logging
 import time
 from collections import deque
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 
 from ringq import tracing
 from services.coordinator.metadata import QueueRecord
@@ -27,7 +27,7 @@ from services.gm.messages import Deliver as GmDeliver
 from services.gm.messages import Joined, MembersChanged, Stopped
 from services.queue import traces, wire
 from services.queue.master import Delivery, Publish, PublishOutcome, QueueError, QueueMaster, Settlement
-from services.queue.ops import Enqueue, MirrorSays, Report, Settle
+from services.queue.ops import MirrorSays, Report
 from services.queue.replica_core import (
     AbandonSteps,
     AppendToLog,
@@ -64,8 +64,14 @@ class QueueReplica:
     def __init__(self, host: ReplicaHost, record: QueueRecord) -> None:
         self.host = host
         self.core = ReplicaCore(host.node_id, record, now_ms(), host.timers)
+        core = self.core
         self.disk = (
-            ReplicaLog(host.queue_dir(record), self._log_flushed, self._disk_failed, self._disk_writable)
+            ReplicaLog(
+                host.queue_dir(record),
+                lambda flush_id: self._feed(lambda now: core.on_log_flushed(flush_id, now)),
+                lambda reason: self._feed(lambda now: core.on_disk_failed(reason, now)),
+                lambda: self._feed(core.on_disk_writable),
+            )
             if record.durable
             else None
         )
@@ -164,9 +170,6 @@ class QueueReplica:
         self._execute(effects)
         return future  # type: ignore[return-value]
 
-    async def publish(self, items: list[Publish]) -> list[PublishOutcome]:
-        return await self.publish_in_order(items)
-
     async def consume(self, tag: str, prefetch: int, priority: int) -> Consumer:
         consumer = Consumer(tag)
         self.consumers[tag] = consumer
@@ -186,9 +189,7 @@ class QueueReplica:
     async def settle(self, tag: str, delivery_tag: int, multiple: bool, kind: str) -> None:
         """Settle one delivery (a unary Settle); returns once the step completed."""
         step_id, error, effects = self.core.settle(tag, [Settlement(delivery_tag, multiple, kind)], now_ms())
-        done = self._waiter(step_id, None)
-        self._execute(effects)
-        await done
+        await self._completed(step_id, effects)
         if error is not None:
             raise error
 
@@ -200,16 +201,12 @@ class QueueReplica:
 
     async def get(self, no_ack: bool) -> Delivery | None:
         step_id, delivery, effects = self.core.get(no_ack, now_ms())
-        done = self._waiter(step_id, None)
-        self._execute(effects)
-        await done
+        await self._completed(step_id, effects)
         return delivery
 
     async def purge(self) -> int:
         step_id, count, effects = self.core.purge(now_ms())
-        done = self._waiter(step_id, None)
-        self._execute(effects)
-        await done
+        await self._completed(step_id, effects)
         return count
 
     def sync_unsynchronised(self) -> None:
@@ -217,6 +214,12 @@ class QueueReplica:
 
     def cancel_syncs(self) -> None:
         self.core.cancel_syncs()
+
+    async def _completed(self, step_id: int, effects: list[Effect]) -> None:
+        """Carry out a step's effects and return once it completed."""
+        done = self._waiter(step_id, None)
+        self._execute(effects)
+        await done
 
     def _waiter(self, step_id: int, value: object) -> asyncio.Future[object]:
         future: asyncio.Future[object] = asyncio.get_running_loop().create_future()
@@ -252,22 +255,14 @@ class QueueReplica:
                     traces.mirror_applied(self.record.name, self.host.node_id, self.record.gm_group, report)
         return reports
 
-    def _log_flushed(self, flush_id: int) -> None:
+    def _feed(self, step: Callable[[int], list[Effect]]) -> None:
+        """An input from the disk or the clock, given the time."""
         if not self.stopped:
-            self._execute(self.core.on_log_flushed(flush_id, now_ms()))
-
-    def _disk_failed(self, reason: str) -> None:
-        if not self.stopped:
-            self._execute(self.core.on_disk_failed(reason, now_ms()))
-
-    def _disk_writable(self) -> None:
-        if not self.stopped:
-            self._execute(self.core.on_disk_writable(now_ms()))
+            self._execute(step(now_ms()))
 
     def _tick(self) -> None:
         self._timer = None
-        if not self.stopped:
-            self._execute(self.core.tick(now_ms()))
+        self._feed(self.core.tick)
 
     # ---------------------------------------------------------------- effects
 
@@ -363,16 +358,8 @@ class QueueReplica:
             consumer = self.consumers.get(delivery.consumer)
             if consumer is not None:
                 consumer.deliveries.put_nowait(delivery)
-        metrics = self.host.metrics
-        if metrics is not None and step.reports:
-            metrics.step_done(
-                self.record.name,
-                self.record.gm_group,
-                published=sum(1 for r in step.reports if isinstance(r, Enqueue)),
-                delivered=len(step.deliveries),
-                acked=sum(len(r.ids) for r in step.reports if isinstance(r, Settle)),
-                ring_ms=now_ms() - effect.decided_ms,
-            )
+        if self.host.metrics is not None:
+            self.host.metrics.step_completed(self.record.name, self.record.gm_group, step, now_ms() - effect.decided_ms)
         if tracing.enabled():
             traces.confirmed(self.record.name, self.host.node_id, step.reports)
             traces.delivered(self.record.name, self.host.node_id, step.deliveries)
