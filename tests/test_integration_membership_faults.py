@@ -10,8 +10,9 @@ is the acceptance test of a rule (ARCHITECTURE.md sections 3 and 11):
    Every message the queue accepted reaches the consumer, nothing stays pending acknowledgement, and
    the consumer's prefetch slots are free again (it receives later messages too).
 2. A whole-cluster restart records no live member dead. A durable queue with confirmed persistent
-   messages; every node SIGKILLed; the node of the last master started first and, once it serves the
-   queue, the others. Twice. The master stays, the queue serves every message, and no member of a
+   messages; every node SIGKILLed; the node of the last master started first and, once its replica has
+   claimed the queue (it waits for the replicas the record lists as synchronised, to elect the one whose
+   log knows most), the others. Twice. The master stays, the queue serves every message, and no member of a
    running process is ever recorded dead: neither in the group table (every version of it, from the
    coordinator's Watch) nor in a node's log (`recorded MEMBER dead (reason: ...)`, logger ringq.member).
 3. A mirror struck from the record comes back by itself. One mirror's node is paused past the ring's
@@ -290,20 +291,21 @@ def _logged_dead_since(sizes: dict[Path, int], except_members: set[str]) -> list
 async def _restart_master_first(
     directory: Path, master: str, ports: dict[str, int], queue: str, messages: int, what: str
 ) -> tuple[cluster.ClusterInfo, aio.Connection, queue_pb2.QueueInfo]:
-    """SIGKILL every node; start `master`'s node, wait until it serves `queue` with its `messages`, start the
-    others; each node on its port of before. Returns once the queue serves every message with both mirrors
-    synchronised: the cluster, a connection to every node, the queue's status then."""
+    """SIGKILL every node; start `master`'s node, wait until its replica has said in the record how far its
+    log goes (it waits for the replicas the record lists as synchronised before one of them recovers the
+    queue), start the others; each node on its port of before. Returns once the queue serves every message
+    with both mirrors synchronised: the cluster, a connection to every node, the queue's status then."""
     for name in ports:
         cluster.kill(directory, name, signal.SIGKILL)
     cluster.start_node(directory, master, port=ports[master])
-    alone = _connection(cluster.load(directory), master, retry_for=0.0)
+    admin = aio.Admin(cluster.load(directory).coordinator.address)
     await _eventually(
-        lambda: alone.queue_status(queue),
-        lambda status: status.depth == messages and status.status.startswith("running"),
+        lambda: _queue_record(admin, queue),
+        lambda record: master in record.recovery_positions,
         SETTLE_SECONDS,
-        f"{what}: {master}, started alone, serves the queue",
+        f"{what}: {master}, started alone, claims the queue",
     )
-    await alone.close()
+    await admin.close()
     for name, port in ports.items():
         if name != master:
             cluster.start_node(directory, name, port=port)
