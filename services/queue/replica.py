@@ -79,6 +79,7 @@ class QueueReplica:
         self.consumers: dict[str, Consumer] = {}
         self._waiters: dict[int, tuple[asyncio.Future[object], object]] = {}
         self._timer: asyncio.TimerHandle | None = None
+        self._timer_due: int | None = None
         self._tasks: set[asyncio.Future[None]] = set()
         self.serving = asyncio.Event()  # set while this replica is the queue's master
         self._to_do: deque[Effect] = deque()
@@ -261,7 +262,7 @@ class QueueReplica:
             self._execute(step(now_ms()))
 
     def _tick(self) -> None:
-        self._timer = None
+        self._timer, self._timer_due = None, None
         self._feed(self.core.tick)
 
     # ---------------------------------------------------------------- effects
@@ -376,15 +377,16 @@ class QueueReplica:
             future.set_result(value)
 
     def _arm(self) -> None:
-        if self.stopped:
+        """Call tick when the core asks (the timer is left alone while that time does not change)."""
+        wakeup = None if self.stopped else self.core.next_wakeup_ms()
+        if wakeup == self._timer_due and (self._timer is not None or wakeup is None):
             return
-        wakeup = self.core.next_wakeup_ms()
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
+        self._timer_due = wakeup
         if wakeup is not None:
-            delay = max(0.0, (wakeup - now_ms()) / 1000)
-            self._timer = asyncio.get_running_loop().call_later(delay, self._tick)
+            self._timer = asyncio.get_running_loop().call_later(max(0.0, (wakeup - now_ms()) / 1000), self._tick)
 
     def _spawn(self, coroutine: Awaitable[None]) -> None:
         task: asyncio.Future[None] = asyncio.ensure_future(coroutine)

@@ -103,12 +103,14 @@ from services.queue.mirror import QueueMirror
 from services.queue.ops import (
     Depth,
     Desynchronised,
+    Discard,
     Enqueue,
     Message,
     MirrorSays,
     Noticed,
     Persisted,
     Report,
+    Settle,
     SyncBatch,
     Synchronised,
     SyncRequest,
@@ -345,6 +347,7 @@ class _MasterState:
     syncing: set[str] = field(default_factory=set)  # targets with a sync batch in flight
     next_depth_ms: int = 0
     below_floor: bool = False
+    persistent_changes_seen: int = 0  # the contents' counter as of the last step carried out
 
 
 # --------------------------------------------------------------------------- the core
@@ -786,31 +789,35 @@ class ReplicaCore:
         effects: list[Effect] = []
         last_seq = persistent_seq = 0
         if step.reports and self.replicates_messages:
-            first = self.next_seq
-            effects.append(Broadcast(tuple(step.reports), first, confirmed=True))
+            effects.append(Broadcast(tuple(step.reports), self.next_seq, confirmed=True))
             self.next_seq += len(step.reports)
             last_seq = self.next_seq - 1
-            for index, report in enumerate(step.reports):
-                if isinstance(report, Enqueue) and report.message.persistent:
-                    persistent_seq = first + index
         flush_id = 0
-        if self.durable and self.log is LogState.KEEPING:
-            enqueued, removed = log_changes(step.reports)
-            if enqueued or removed:
+        contents = state.core.contents
+        if self.durable and contents.persistent_changes != state.persistent_changes_seen:
+            # Every change of the master's contents comes through here, step by step: only a step that
+            # added or removed a persistent message has anything for the log (one pass over its reports).
+            state.persistent_changes_seen = contents.persistent_changes
+            first = last_seq - len(step.reports) + 1
+            enqueued: list[Message] = []
+            removed: list[int] = []
+            for index, report in enumerate(step.reports):
+                if isinstance(report, Enqueue):
+                    if report.message.persistent:
+                        enqueued.append(report.message)
+                        persistent_seq = first + index if last_seq else 0
+                elif isinstance(report, Settle | Discard):
+                    removed.extend(report.ids)
+            if enqueued:
+                state.last_persistent_seq = max(state.last_persistent_seq, persistent_seq)
+            if self.log is LogState.KEEPING:
                 position = Position(self.epoch, last_seq) if last_seq else None
                 effects.append(AppendToLog(tuple(enqueued), tuple(removed), position))
-                flush = self._flush()
-                effects += flush
-                if enqueued:
-                    flush_id = self.next_flush_id - 1
-        if persistent_seq:
-            state.last_persistent_seq = persistent_seq
-        waits_for_disk = bool(flush_id) or any(isinstance(r, Enqueue) and r.message.persistent for r in step.reports)
-        if self.durable and waits_for_disk and not flush_id and self.log is LogState.FAILED:
-            flush_id = self.next_flush_id  # the flush that follows the disk's recovery
-        state.pending.append(
-            _Pending(step_id, step, last_seq, persistent_seq if self.durable else 0, flush_id, publishes, now_ms)
-        )
+                effects += self._flush()
+                flush_id = self.next_flush_id - 1 if enqueued else 0
+            elif self.log is LogState.FAILED and enqueued:
+                flush_id = self.next_flush_id  # the flush that follows the disk's recovery
+        state.pending.append(_Pending(step_id, step, last_seq, persistent_seq, flush_id, publishes, now_ms))
         return step_id, effects + self._complete_ready(now_ms)
 
     def _flush(self) -> list[Effect]:
@@ -1209,6 +1216,7 @@ class ReplicaCore:
         self.master_member = self.member
         self._notices = []
         state = self.master = _MasterState(core, next_depth_ms=now_ms + self.timers.depth_report_interval_ms)
+        state.persistent_changes_seen = core.contents.persistent_changes
         state.below_floor = len(self.synchronised_live()) < self.floor()
         if not state.below_floor or self.record.master_epoch <= 1:
             return []  # a new queue's mirrors catch up within a depth report: nothing worth an event
