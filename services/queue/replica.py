@@ -239,6 +239,8 @@ class QueueReplica:
         elif isinstance(event, MembersChanged):
             self._execute(core.on_members_changed(event.births, event.deaths, now))
         elif isinstance(event, GmDeliver):
+            if self.member is not None and event.publisher == self.member.id:
+                return  # its own broadcasts, decided here: not worth decoding (the master's every message)
             self._execute(core.on_reports(event.publisher, event.first_seq, self._decoded(event), now))
         elif isinstance(event, Stopped):
             self._execute(core.on_member_stopped(event.reason, now))
