@@ -101,6 +101,7 @@ from services.queue.master import (
 )
 from services.queue.mirror import QueueMirror
 from services.queue.ops import (
+    Deliver,
     Depth,
     Desynchronised,
     Discard,
@@ -110,6 +111,7 @@ from services.queue.ops import (
     Noticed,
     Persisted,
     Report,
+    Requeue,
     Settle,
     SyncBatch,
     Synchronised,
@@ -117,6 +119,9 @@ from services.queue.ops import (
 )
 
 MAX_EVENTS = 32
+# Reports a mirror applies as they are (the bulk of them), and what mirrors say to the master.
+_PLAIN_CHANGES: frozenset[type] = frozenset({Enqueue, Deliver, Settle, Requeue, Discard})
+_MIRROR_SAYS: frozenset[type] = frozenset({SyncRequest, Synchronised, Desynchronised, Persisted, Noticed})
 # How often a replica that waited out the recovery wait looks at the election again.
 RECOVERY_RECHECK_MS = 500
 
@@ -548,6 +553,8 @@ class ReplicaCore:
         Only a master broadcasts Reports; mirrors broadcast what they say to it."""
         if publisher == self.member:
             return []  # our own, applied when decided
+        if self.role is Role.MIRROR and publisher == self.master_member and self.replicates_messages:
+            return self._mirror_applies_run(first_seq, reports, now_ms)
         effects: list[Effect] = []
         changed_log = False
         for index, report in enumerate(reports):
@@ -569,6 +576,54 @@ class ReplicaCore:
             changed_log |= changed
             effects += said
         if changed_log:
+            effects += self._mirror_flush()
+        return effects
+
+    def _mirror_applies_run(self, first_seq: int, reports: Sequence[Report | MirrorSays], now_ms: int) -> list[Effect]:
+        """The common case, kept cheap (it runs for every message on every mirror): a run of reports from
+        the master this mirror follows. Plain changes are applied to the contents directly, the persistent
+        ones gathered for the log; anything else (a depth report, a sync batch) takes the full path."""
+        mirror = self.mirror
+        assert mirror is not None
+        contents = mirror.contents
+        logging = self.log in (LogState.WRITING, LogState.KEEPING)
+        effects: list[Effect] = []
+        enqueued: list[Message] = []
+        removed: list[int] = []
+        changed_log = False
+        seq = first_seq - 1
+        for report in reports:
+            seq += 1
+            kind = type(report)
+            if kind in _PLAIN_CHANGES:
+                if logging:
+                    before = contents.persistent_changes
+                    contents.apply(report)  # type: ignore[arg-type]
+                    if contents.persistent_changes != before:
+                        if kind is Enqueue:
+                            enqueued.append(report.message)  # type: ignore[union-attr]
+                        else:
+                            removed.extend(report.ids)  # type: ignore[union-attr]
+                else:
+                    contents.apply(report)  # type: ignore[arg-type]
+                continue
+            if kind in _MIRROR_SAYS:
+                continue  # said to the master, not by it
+            if enqueued or removed:  # what came before goes to the log before what this report causes
+                effects.append(AppendToLog(tuple(enqueued), tuple(removed), None))
+                enqueued, removed, changed_log = [], [], True
+            if isinstance(report, Depth):
+                self.epoch = max(self.epoch, report.epoch)
+            changed, said = self._mirror_applies(seq, report, now_ms)  # type: ignore[arg-type]
+            changed_log |= changed
+            effects += said
+            contents = mirror.contents  # an inconsistent mirror starts over with new contents
+            logging = self.log in (LogState.WRITING, LogState.KEEPING)
+        self.applied_seq = max(self.applied_seq, seq)
+        if enqueued or removed:
+            effects.append(AppendToLog(tuple(enqueued), tuple(removed), None))
+            changed_log = True
+        if changed_log and self.log in (LogState.WRITING, LogState.KEEPING):
             effects += self._mirror_flush()
         return effects
 
