@@ -51,7 +51,7 @@ from services.disk_monitor import MEBIBYTE, DiskMonitor
 from services.gm import wire
 from services.gm.links import CHANNEL_OPTIONS, LinkManager
 from services.gm.member import MemberEvent, MemberShell, NotHosted, Watched
-from services.gm.messages import Action, Deliver, Joined, MembersChanged, RingMessage, Stopped
+from services.gm.messages import Deliver, Joined, MembersChanged, RingMessage, Stopped
 from services.gm.ring import NotJoined, RingMember
 from services.queue.manager import QueueManager
 from services.queue.service import QueueServicer
@@ -177,19 +177,8 @@ class Node:
 
     def _new_view(self, group_name: str, group: Group) -> None:
         member = self.members.get(group_name)
-        if member is None or member.stopped is not None:
-            return
-
-        def adopt(core: RingMember) -> list[Action]:
-            if core.view is None or group.version <= core.view.version:
-                return []
-            if core.publishers is None and core.id not in core.view.known:
-                return []  # still choosing whom to join through: it reads the table itself
-            # A newcomer already added (waiting for its adder's Catchup) must see new views too: if its
-            # adder died meanwhile, it abandons the join and rejoins (services/gm/ring.py, hard case 2).
-            return core.on_group(group)
-
-        member.post(adopt)
+        if member is not None and member.stopped is None:
+            member.post(lambda core: core.on_group_watched(group))
 
     async def _heartbeat(self) -> None:
         """Tell the coordinator this node is alive (it places replicas on live nodes only) and how

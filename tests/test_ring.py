@@ -349,3 +349,21 @@ def test_a_newcomer_whose_joining_catchup_was_lost_joins_with_the_one_re_sent_on
     h.broadcast("a", b"2")
     h.pump()
     assert h.seen["b"].delivered["a"] == [b"2"] and h.seen["a"].confirmed == 2
+
+
+def test_a_view_from_the_group_watch_reaches_a_newcomer_waiting_for_its_adder() -> None:
+    """Found by tests/sim/queue_sim.py (seed 730): views from the watch went only to joined members, so a
+    newcomer whose adder stopped before its Catchup never learned it and waited for ever."""
+    h = Harness()
+    h.ring("a")
+    h.start("b", via="a")
+    h.drop("a", "b")  # the joining Catchup is lost; then a leaves for good
+    h.run("a", h.cores["a"].leave())
+    b = h.cores["b"]
+    assert b.publishers is None and b.view is not None and b.view.version < h.group.version  # waiting
+    h.run("b", b.on_group_watched(h.group))
+    assert b.view.version == h.group.version and (b.publishers is not None or b.stopped is not None)
+    choosing = RingMember("g", "c", "node-c")
+    choosing.start()
+    choosing.on_group(h.group)  # it reads the table itself while it chooses whom to join through
+    assert choosing.on_group_watched(h.group) == []

@@ -287,6 +287,18 @@ class RingMember:
         self._deferred = [m for m in self._deferred if m.view_version <= group.version]
         return self._adopt_group(group)
 
+    def on_group_watched(self, group: Group) -> list[Action]:
+        """A version of the group table the coordinator's watch brought, unasked. A member takes it if it
+        is newer than its view and it is in the group (joined, or added and waiting for its adder's
+        Catchup: if the adder died meanwhile it must see so, hard case 2); a newcomer still choosing
+        whom to join through reads the table itself."""
+        self._expect_no_io()
+        if self.stopped or self.view is None or group.version <= self.view.version:
+            return []
+        if self.publishers is None and self.id not in self.view.known:
+            return []
+        return self.on_group(group)
+
     def on_group_written(self, outcome: Outcome, group: Group) -> list[Action]:
         """The result of the last `WriteGroup`."""
         if self._awaiting != "write":

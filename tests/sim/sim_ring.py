@@ -130,14 +130,7 @@ class SimMember:
         if not self.world.reaches_coordinator(self.node):
             return
 
-        def adopt(core: RingMember) -> list[Action]:
-            if core.view is None or group.version <= core.view.version:
-                return []
-            if core.publishers is None and core.id not in core.view.known:
-                return []  # still choosing whom to join through: it reads the table itself
-            return core.on_group(group)
-
-        self.post(adopt)
+        self.post(lambda core: core.on_group_watched(group))
 
     def broadcast(self, bodies: list[bytes], expected_first: int) -> None:
         def step(core: RingMember) -> list[Action]:
