@@ -365,3 +365,20 @@ def test_a_damaged_loser_tells_the_master_of_its_damage_in_its_own_name() -> Non
     driven.reports("node1.x", 70, Depth(1, 3))
     notices = [s for s in driven.said() if isinstance(s, Noticed)]
     assert [(n.member, n.kind) for n in notices] == [("node3.x", "log_damaged")]
+
+
+def test_a_flush_issued_under_one_master_says_nothing_to_the_next() -> None:
+    """Found by tests/sim/queue_sim.py (seed 6860): a mirror's flush issued for the old master's report
+    110 completed after it followed a new master, and it told the new master its disk held everything to
+    110 in the new master's numbering: the new master confirmed messages that disk did not hold."""
+    driven = mirror_of(mirrors=("node3", "node2"), synchronised_mirrors=("node3", "node2"))
+    driven.take(WriteLog)
+    driven.flush_all()
+    driven.reports("node1.a", 110, persistent(5))
+    [pending_flush] = driven.take(FlushLog)  # not done yet
+    driven.take(Broadcast)
+    driven.run(driven.core.on_members_changed(["node3.c"], ["node1.a"], 0))
+    driven.set_record(master="node3", master_epoch=2, mirrors=("node2",), synchronised_mirrors=("node2",))
+    driven.reports("node3.c", 1, Depth(1, 2))
+    driven.run(driven.core.on_log_flushed(pending_flush.flush_id, 0))
+    assert not [s for s in driven.said() if isinstance(s, Persisted) and s.master == "node3.c"]

@@ -384,7 +384,9 @@ class ReplicaCore:
         self.restored: tuple[Message, ...] = ()
         self.next_flush_id = 1
         self.flushed_through = 0
-        self._flush_seqs: dict[int, int] = {}  # a mirror's flush -> the report it covers to
+        # A mirror's flush -> the master member whose reports it covers, and the last of them: a flush
+        # issued under one master and done under the next says nothing of the new one's numbering.
+        self._flush_seqs: dict[int, tuple[str, int]] = {}
         self._synchronised_flush = 0  # a mirror says it is synchronised once this flush is done
         self._said_persisted = ("", 0)
         self._notices: list[tuple[str, str]] = []  # (kind, detail) for the master, once this mirror hears it
@@ -649,8 +651,10 @@ class ReplicaCore:
                 self.log = LogState.KEEPING
                 if self.mirror.synchronised:
                     effects += self._say(Synchronised(self.member))
-            covered = max((seq for fid, seq in self._flush_seqs.items() if fid <= flush_id), default=0)
-            self._flush_seqs = {fid: seq for fid, seq in self._flush_seqs.items() if fid > flush_id}
+            master = self.master_member
+            done = [seq for fid, (of, seq) in self._flush_seqs.items() if fid <= flush_id and of == master]
+            covered = max(done, default=0)
+            self._flush_seqs = {fid: entry for fid, entry in self._flush_seqs.items() if fid > flush_id}
             if self.log is LogState.KEEPING and covered and self.mirror.synchronised:
                 effects += self._say_persisted(covered)
         return effects
@@ -1167,14 +1171,14 @@ class ReplicaCore:
         effects: list[Effect] = [WriteLog(holdings, Position(self.epoch, self.applied_seq), fresh)]
         effects += self._flush()
         self._synchronised_flush = self.next_flush_id - 1
-        self._flush_seqs[self._synchronised_flush] = self.applied_seq
+        self._flush_seqs[self._synchronised_flush] = (self.master_member, self.applied_seq)
         return effects
 
     def _mirror_flush(self) -> list[Effect]:
         """After a batch of reports that changed the log: mark how far it goes, make it durable."""
         effects: list[Effect] = [AppendToLog((), (), Position(self.epoch, self.applied_seq))]
         effects += self._flush()
-        self._flush_seqs[self.next_flush_id - 1] = self.applied_seq
+        self._flush_seqs[self.next_flush_id - 1] = (self.master_member, self.applied_seq)
         return effects
 
     def _say_persisted(self, through_seq: int) -> list[Effect]:
