@@ -322,11 +322,13 @@ class QueueSimulation:
         self._watch(node, self.record)
 
     def _crash_all(self) -> None:
-        """Every node crashes; the logs of fewer than all listed replicas are damaged or cut; all restart."""
+        """Every node crashes; the logs of fewer than all listed replicas are damaged or cut (counting those
+        spoiled by an earlier crash and not written whole since); all restart."""
         listed = [n for n in (self.record.master, *self.record.synchronised_mirrors) if n]
         for node in self.nodes.values():
             self.crash(node)
-        spoiled = self.rng.sample(listed, self.rng.randint(0, max(0, len(listed) - 1)))
+        intact = [n for n in listed if not self.nodes[n].disk.spoiled]
+        spoiled = self.rng.sample(intact, self.rng.randint(0, max(0, len(intact) - 1)))  # one stays intact
         for name in spoiled:
             disk = self.nodes[name].disk
             if self.rng.random() < 0.5 and disk.groups:

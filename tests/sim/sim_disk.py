@@ -37,6 +37,8 @@ class SimDisk:
     damaged_at: tuple[int, int] | None = None  # (group, op) corrupted on the medium
     # Whether the disk holds its log: DiscardLog removes it (a mirror that starts over).
     exists: bool = False
+    # Damaged or cut since its log was last written whole: the fault model never spoils every listed replica.
+    spoiled: bool = False
 
     # ---------------------------------------------------------------- writing
 
@@ -72,6 +74,7 @@ class SimDisk:
             self.groups = [self.fresh + self.buffer]
             self.fresh = None
             self.damaged_at = None
+            self.spoiled = False
         elif self.buffer:
             self.groups.append(self.buffer)
         self.buffer = []
@@ -81,6 +84,7 @@ class SimDisk:
         self.groups, self.buffer, self.fresh = [], [], None
         self.damaged_at = None
         self.exists = False
+        self.spoiled = False
 
     def reopen_fresh(self) -> bool:
         """WatchDisk's retry: a fresh, empty log if the disk writes again."""
@@ -100,10 +104,12 @@ class SimDisk:
 
     def damage(self, group: int, op: int) -> None:
         self.damaged_at = (group, op)
+        self.spoiled = True
 
     def cut_tail(self) -> None:
         if self.groups:
             self.groups.pop()
+            self.spoiled = True
 
     # ---------------------------------------------------------------- reading
 
