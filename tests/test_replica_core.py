@@ -382,3 +382,20 @@ def test_a_flush_issued_under_one_master_says_nothing_to_the_next() -> None:
     driven.reports("node3.c", 1, Depth(1, 2))
     driven.run(driven.core.on_log_flushed(pending_flush.flush_id, 0))
     assert not [s for s in driven.said() if isinstance(s, Persisted) and s.master == "node3.c"]
+
+
+def test_equal_logs_of_master_and_mirror_carry_equal_marks() -> None:
+    """Found by the whole-cluster restart test: a mirror marked the last report it applied (a depth report
+    after the last persistent change), the master its last change, so after a restart the mirror's equal
+    log looked ahead, won the election and moved the master for nothing."""
+    master = fresh_master(synchronised=("node2",))
+    publish(master, b"kept")
+    [appended] = [a for a in master.take(AppendToLog) if a.enqueued]
+    reports = [r for b in master.take(Broadcast) for r in b.reports]
+    mirror = mirror_of()
+    mirror.take(WriteLog)
+    mirror.flush_all()
+    first = appended.position.seq - len(reports) + 1 if appended.position else 0
+    mirror.reports("node1.a", first, *reports, Depth(1, 1))  # a depth report follows in the same batch
+    marks = [a.position for a in mirror.take(AppendToLog) if a.position is not None]
+    assert marks == [appended.position]

@@ -128,6 +128,9 @@ class Step:
     reports: list[Report] = field(default_factory=list)
     deliveries: list[Delivery] = field(default_factory=list)
     dead_letters: list[DeadLetter] = field(default_factory=list)
+    # The index in `reports` of the last one that added or removed a persistent message (-1: none): a
+    # log's mark names that report, so equal logs of master and mirrors carry equal marks.
+    last_log_change: int = -1
 
 
 @dataclass
@@ -430,8 +433,11 @@ class QueueMaster:
     # -------------------------------------------------------------- helpers
 
     def _report(self, report: Report, step: Step) -> None:
+        before = self.contents.persistent_changes
         self.contents.apply(report)
         step.reports.append(report)
+        if self.contents.persistent_changes != before:
+            step.last_log_change = len(step.reports) - 1
 
     def _discard(self, ids: list[int], reason: str, step: Step) -> None:
         target = self.limits.dead_letter_queue

@@ -375,6 +375,9 @@ class ReplicaCore:
         self.mirror: QueueMirror | None = None
         self.master_member = ""  # the member whose reports a mirror applies
         self.applied_seq = 0
+        # The last of the master's reports that added or removed a persistent message here: a mirror's
+        # log mark, so that it equals the master's for equal logs (durability.py compares marks).
+        self._log_change_seq = 0
         self.events: deque[QueueEvent] = deque(maxlen=MAX_EVENTS)
         self.unavailable = ""  # why the queue cannot be served, when it cannot
         # The log (durable queues).
@@ -602,6 +605,7 @@ class ReplicaCore:
                     before = contents.persistent_changes
                     contents.apply(report)  # type: ignore[arg-type]
                     if contents.persistent_changes != before:
+                        self._log_change_seq = seq
                         if kind is Enqueue:
                             enqueued.append(report.message)  # type: ignore[union-attr]
                         else:
@@ -870,7 +874,7 @@ class ReplicaCore:
             if enqueued:
                 state.last_persistent_seq = max(state.last_persistent_seq, persistent_seq)
             if self.log is LogState.KEEPING:
-                position = Position(self.epoch, last_seq) if last_seq else None
+                position = Position(self.epoch, first + step.last_log_change) if last_seq else None
                 effects.append(AppendToLog(tuple(enqueued), tuple(removed), position))
                 effects += self._flush()
                 flush_id = self.next_flush_id - 1 if enqueued else 0
@@ -1099,6 +1103,7 @@ class ReplicaCore:
         self.epoch = max(self.epoch, epoch)
         self.unavailable = ""
         self._said_persisted = ("", 0)
+        self._log_change_seq = 0  # marks count in the new master's numbering
         mirror = self.mirror
         assert mirror is not None
         effects: list[Effect] = []
@@ -1136,6 +1141,8 @@ class ReplicaCore:
         said = mirror.apply(report)
         changed = False
         effects: list[Effect] = []
+        if mirror.contents.persistent_changes != before and not isinstance(report, SyncBatch):
+            self._log_change_seq = seq  # as the master marks it (a sync batch changes nothing there)
         if self.log in (LogState.WRITING, LogState.KEEPING) and mirror.contents.persistent_changes != before:
             enqueued, removed = log_changes((report,))
             effects.append(AppendToLog(tuple(enqueued), tuple(removed), None))
@@ -1168,7 +1175,7 @@ class ReplicaCore:
         holdings = tuple(persistent_holdings(mirror.contents.messages))
         self.log = LogState.WRITING
         self._keep_existing_log = False
-        effects: list[Effect] = [WriteLog(holdings, Position(self.epoch, self.applied_seq), fresh)]
+        effects: list[Effect] = [WriteLog(holdings, Position(self.epoch, self._log_change_seq), fresh)]
         effects += self._flush()
         self._synchronised_flush = self.next_flush_id - 1
         self._flush_seqs[self._synchronised_flush] = (self.master_member, self.applied_seq)
@@ -1176,7 +1183,7 @@ class ReplicaCore:
 
     def _mirror_flush(self) -> list[Effect]:
         """After a batch of reports that changed the log: mark how far it goes, make it durable."""
-        effects: list[Effect] = [AppendToLog((), (), Position(self.epoch, self.applied_seq))]
+        effects: list[Effect] = [AppendToLog((), (), Position(self.epoch, self._log_change_seq))]
         effects += self._flush()
         self._flush_seqs[self.next_flush_id - 1] = (self.master_member, self.applied_seq)
         return effects
