@@ -62,12 +62,15 @@ def test_the_live_listed_claimant_whose_intact_log_knows_most_recovers(
 
 
 def test_the_election_waits_for_every_listed_replica_or_for_the_wait_to_end() -> None:
+    every = {"node1", "node2", "node3"}
     some = claims(node2="1.1", node3="1.1")
-    assert not election_due(some, "node1", ("node2", "node3"), waited_enough=False)
-    assert election_due(some, "node1", ("node2", "node3"), waited_enough=True)
-    assert election_due(
-        claims(node1="1.1", **{"node2": "1.1", "node3": "1.2"}), "node1", ("node2", "node3"), waited_enough=False
-    )
+    assert not election_due(some, "node1", ("node2", "node3"), every, waited_enough=False)
+    assert election_due(some, "node1", ("node2", "node3"), every, waited_enough=True)
+    all_of_them = claims(node1="1.1", node2="1.1", node3="1.2")
+    assert election_due(all_of_them, "node1", ("node2", "node3"), every, waited_enough=False)
+    # A claim left by a replica that has gone again (found by tests/sim, seed 3498: node3, whose log alone
+    # held two confirmed messages, was restarting; the others elected without it).
+    assert not election_due(all_of_them, "node1", ("node2", "node3"), {"node1", "node2"}, waited_enough=False)
 
 
 def test_a_loser_keeps_its_log_only_if_it_is_an_intact_prefix_of_the_winners() -> None:

@@ -13,9 +13,9 @@ serves after a restart (pure rules; services/queue/replica_core.py applies them)
   queue: the live claimant, among those the record lists as master or synchronised mirror (any
   claimant under ha-promote-on-failure always), whose intact log goes furthest; on a tie an
   undamaged log, then the record's master, then the eldest mirror. `election_due` says when to
-  decide: once every listed replica has claimed, or when the wait ends (a listed replica that
-  never comes back cannot hold the queue up for ever, but one that comes back in time is waited
-  for, so a damaged log does not win for want of the healthy one).
+  decide: once every listed replica has claimed and is live, or when the wait ends (a listed replica
+  that never comes back cannot hold the queue up for ever, but one that comes back in time is waited
+  for, so a damaged or cut log does not win for want of the healthy one).
 - A loser keeps its log and catches up from the winner when its log is a prefix of the winner's
   (same epoch, not damaged): `keeps_log`. Otherwise its log may hold a tail nobody confirmed (an old
   master's unreplicated decisions), and it starts over empty.
@@ -78,10 +78,17 @@ def listed_replicas(master: str, synchronised_mirrors: Sequence[str]) -> tuple[s
 
 
 def election_due(
-    claims: Mapping[str, Claim], master: str, synchronised_mirrors: Sequence[str], *, waited_enough: bool
+    claims: Mapping[str, Claim],
+    master: str,
+    synchronised_mirrors: Sequence[str],
+    live_nodes: Collection[str],
+    *,
+    waited_enough: bool,
 ) -> bool:
-    """Decide now? Once every listed replica has claimed, or once the wait is over."""
-    return waited_enough or all(node in claims for node in listed_replicas(master, synchronised_mirrors))
+    """Decide now? Once every listed replica has claimed and is live (a claim left by a replica that has
+    gone again since does not count: elect would pass it over), or once the wait is over."""
+    listed = listed_replicas(master, synchronised_mirrors)
+    return waited_enough or all(node in claims and node in live_nodes for node in listed)
 
 
 def elect(

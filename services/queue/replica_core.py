@@ -735,7 +735,7 @@ class ReplicaCore:
             return effects + self._complete_ready(now_ms)
         if self.role is Role.RECOVERING:
             took = record.master == self.node and record.master_epoch > self._take_from_epoch
-            if self._taking_over and took and not record.recovery_positions:
+            if self._taking_over and took:
                 return effects + self._become_master_from_log(now_ms)
             self._taking_over = False  # a newer record that does not make this replica master: decide again
             if record.master_epoch > previous.master_epoch and record.master != self.node:
@@ -1300,11 +1300,11 @@ class ReplicaCore:
         self.role = Role.RECOVERING
         self.claimed = True
         self.recovery_until_ms = now_ms + self.timers.recovery_wait_ms
-        claim, node = self.log_claim.encode(), self.node
+        claim, node, epoch = self.log_claim.encode(), self.node, self.record.master_epoch
 
         def register(current: QueueRecord) -> QueueRecord | None:
-            if current.recovery_positions.get(node) == claim:
-                return None
+            if current.master_epoch != epoch or current.recovery_positions.get(node) == claim:
+                return None  # somebody took the queue meanwhile: this replica follows it instead
             return replace(current, recovery_positions={**current.recovery_positions, node: claim})
 
         return [UpdateRecord(register, f"claim the queue: this log is at {claim}")]
@@ -1326,7 +1326,8 @@ class ReplicaCore:
         waited = now_ms >= self.recovery_until_ms
         if waited:
             self.recovery_recheck_ms = now_ms + RECOVERY_RECHECK_MS
-        if not election_due(claims, record.master, record.synchronised_mirrors, waited_enough=waited):
+        live = self.live_nodes()
+        if not election_due(claims, record.master, record.synchronised_mirrors, live, waited_enough=waited):
             return []
         promote_unsynchronised = record.policy_definition.get("ha-promote-on-failure") == "always"
         live = self.live_nodes()

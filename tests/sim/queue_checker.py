@@ -11,8 +11,8 @@ Checked as it happens:
 - no replica finds itself inconsistent with its master unless its disk was faulted.
 Checked once the liveness phase ends: every confirmed message was delivered; one master serves;
 every live node is a synchronised mirror holding exactly the master's messages. One loss is allowed, as
-the README says: when the recovery wait ran out before every listed replica came back, and the disks of
-those that did were damaged or cut, what only a late replica held is given up.
+the README says: when the recovery wait ran out before every listed replica was back and reachable, and
+the disks of the others were damaged or cut, what only the missing replica held is given up.
 """
 
 from __future__ import annotations

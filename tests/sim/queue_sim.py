@@ -190,7 +190,8 @@ class QueueSimulation:
             and record.master_epoch > previous.master_epoch
         ):
             listed = [n for n in (previous.master, *previous.synchronised_mirrors) if n]
-            missing = [n for n in listed if n not in previous.recovery_positions]
+            in_group = {entry.node for entry in self.groups.group.members if entry.alive}
+            missing = [n for n in listed if n not in previous.recovery_positions or n not in in_group]
             if missing:
                 self.checker.on_recovery_without(missing)
         if self.trace:
