@@ -86,3 +86,31 @@ def test_a_peer_that_dials_again_replaces_the_stream_we_thought_was_up() -> None
                 await node.close()
 
     asyncio.run(asyncio.wait_for(scenario(), 30))
+
+
+def test_a_dial_loop_waiting_out_its_backoff_does_not_refuse_the_peers_dial() -> None:
+    """Found by the whole-cluster restart test: node1's channel to a restarted node2 failed fast for up
+    to a second (gRPC's reconnect backoff) while node1's dial loop, between attempts, refused node2's own
+    dials as the tie-break's loser; neither heard the other for 0.7 s and each recorded the other dead.
+    Here node1 cannot dial node2 at all (it does not know its address), so only node2's dial can help."""
+
+    async def scenario() -> None:
+        addresses: dict[str, str] = {}
+        one, two = _Node("node1", addresses), _Node("node2", addresses)
+        for node in (one, two):
+            await node.server.start()
+        two_address = addresses.pop("node2")  # node1 looks node2 up in vain: its dial loop backs off
+        try:
+            one.links.want({"node2"})
+            await _until(lambda: one.links._links["node2"].dialing)
+            two.links.send("node1", _message("hello"))
+            await _until(lambda: one.received == ["hello"], seconds=3.0)
+            assert one.links.is_connected("node2") and two.links.is_connected("node1")
+            addresses["node2"] = two_address
+            one.links.send("node2", _message("back"))
+            await _until(lambda: two.received == ["back"])
+        finally:
+            for node in (one, two):
+                await node.close()
+
+    asyncio.run(asyncio.wait_for(scenario(), 30))

@@ -7,11 +7,12 @@ ring messages over 64 KiB, and telling the node how long each peer has been
 silent (the failure detector's input).
 
 Guarantees:
-- At most one stream per pair is active. If both nodes dial at once, the dial
-  of the node whose id sorts first wins; the other is refused. A dial from a
-  peer we hold a stream with replaces that stream: a node dials only when it
-  has none, so ours is dead at its end (it restarted, or gave the stream up
-  during a partition that has healed).
+- At most one stream per pair is active. If both nodes dial at once (each
+  waiting for the other's Hello), the dial of the node whose id sorts first
+  wins; the other is refused. A dial loop between attempts refuses nothing.
+  A dial from a peer we hold a stream with replaces that stream: a node dials
+  only when it has none, so ours is dead at its end (it restarted, or gave the
+  stream up during a partition that has healed).
 - Frames queued for a peer are sent in order on the active stream. Frames
   written to a stream that breaks may be lost: the node is told of every new
   stream after the first (`on_reconnect`) so that members re-send a Catchup,
@@ -69,6 +70,9 @@ class _Link:
         self.last_heard = now
         self.active = False
         self.dialing = False
+        # True while one of our dials waits for the peer's Hello (not while the dial loop sleeps
+        # between attempts): only then does the dial tie-break refuse the peer's own dial.
+        self.hello_pending = False
         self.wanted = False
         self.streams = 0
         self.peer_incarnation = ""
@@ -208,6 +212,8 @@ class LinkManager:
             link.dialing = False
 
     async def _dial(self, link: _Link, address: str) -> None:
+        if link.active:  # the peer's dial was accepted while we looked its address up
+            return
         channel = self._channels.get(address)
         if channel is None:
             channel = self._channels[address] = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
@@ -215,8 +221,12 @@ class LinkManager:
         # Called without a request iterator: the stream is driven by write()/read().
         open_link: Any = stub.Link
         call = open_link()
-        await call.write(frame(hello=peer_pb2.Hello(node=self.node, incarnation=self.incarnation)))
-        answer: Any = await asyncio.wait_for(call.read(), timeout=5.0)
+        link.hello_pending = True
+        try:
+            await call.write(frame(hello=peer_pb2.Hello(node=self.node, incarnation=self.incarnation)))
+            answer: Any = await asyncio.wait_for(call.read(), timeout=5.0)
+        finally:
+            link.hello_pending = False
         if answer is _EOF or answer.WhichOneof("kind") != "hello" or answer.hello.node != link.peer:
             call.cancel()
             raise ConnectionError(f"{link.peer} did not accept the link")
@@ -236,7 +246,10 @@ class LinkManager:
         if hello.node == self.node:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a node cannot link to itself")
         link = self._link(hello.node)
-        if link.dialing and self.node < hello.node and not link.active:
+        if link.hello_pending and self.node < hello.node and not link.active:
+            # Both dials are in flight: ours wins. A dial loop merely waiting out its backoff (its
+            # channel to a restarted peer may fail fast for up to a second) must not refuse the
+            # peer's dial: the link would stay down meanwhile and each side find the other silent.
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"{self.node} is dialling {hello.node}")
         if link.active and link.stop_stream is not None:
             # A peer dials only when it has no stream with us: the one we hold is dead at its end (it
