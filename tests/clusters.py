@@ -3,6 +3,7 @@ live before the test starts, everything stopped afterwards."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -10,14 +11,35 @@ from pathlib import Path
 from typing import Any
 
 import ringq
+from ringq import aio
 from services import cluster
-from tests.test_integration_queue import NODE_ARGS
+
+# Fast failure detection, so failovers in tests take a second rather than the default several.
+NODE_ARGS = ["--failure-timeout-ms", "600", "--heartbeat-interval-ms", "100", "--grace-ms", "100"]
 
 # Queues named ha.* mirrored on every node, synced automatically.
 HA_ALL: Mapping[str, tuple[str, Mapping[str, Any]]] = {
     "ha": ("^ha\\.", {"ha-mode": "all", "ha-sync-mode": "automatic"})
 }
 LIVE_WITHIN_SECONDS = 20.0
+
+
+def await_every_node_live(coordinator_address: str, nodes: int) -> None:
+    """Return once the coordinator counts `nodes` nodes live (so placement sees them all)."""
+    with ringq.Admin(coordinator_address) as admin:
+        deadline = time.monotonic() + LIVE_WITHIN_SECONDS
+        while sum(node.alive for node in admin.cluster_status().nodes) < nodes:
+            assert time.monotonic() < deadline, f"not every node was live within {LIVE_WITHIN_SECONDS:g} s"
+            time.sleep(0.05)
+
+
+async def every_node_live(coordinator_address: str, nodes: int) -> None:
+    """Return once the coordinator counts `nodes` nodes live (so placement sees them all)."""
+    async with aio.Admin(coordinator_address) as admin:
+        deadline = time.monotonic() + LIVE_WITHIN_SECONDS
+        while sum(node.alive for node in (await admin.cluster_status()).nodes) < nodes:
+            assert time.monotonic() < deadline, f"not every node was live within {LIVE_WITHIN_SECONDS:g} s"
+            await asyncio.sleep(0.05)
 
 
 @contextmanager
@@ -31,16 +53,10 @@ def live_cluster(
     each node started with `node_args`; yields once the coordinator counts every node live."""
     info = cluster.up(nodes, directory, node_args=node_args)
     try:
-        admin = ringq.Admin(info.coordinator.address)
-        try:
+        with ringq.Admin(info.coordinator.address) as admin:
             for name, (pattern, definition) in policies.items():
                 admin.set_policy(name, pattern, definition)
-            deadline = time.monotonic() + LIVE_WITHIN_SECONDS
-            while sum(node.alive for node in admin.cluster_status().nodes) < nodes:
-                assert time.monotonic() < deadline, f"not every node was live within {LIVE_WITHIN_SECONDS:g} s"
-                time.sleep(0.05)
-        finally:
-            admin.close()
+        await_every_node_live(info.coordinator.address, nodes)
         yield info
     finally:
         cluster.down(directory)

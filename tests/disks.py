@@ -43,7 +43,7 @@ from ringq.v1 import queue_pb2, queue_replication_pb2
 from services import cluster
 from services import node as node_process
 from services.queue.replica_log import current_log_directory
-from tests.clusters import HA_ALL
+from tests.clusters import HA_ALL, every_node_live
 
 # ------------------------------------------------------------------------------------- the node's flags
 
@@ -131,18 +131,10 @@ async def start_cluster(directory: Path, node_args: Sequence[str]) -> cluster.Cl
     """Three nodes and a coordinator in `directory`, queues named ha.* mirrored on every node and synced
     automatically; returns once the coordinator counts every node live (so placement sees them all)."""
     info = cluster.up(3, directory, node_args=list(node_args))
-    admin = aio.Admin(info.coordinator.address)
-    try:
+    async with aio.Admin(info.coordinator.address) as admin:
         for name, (pattern, definition) in HA_ALL.items():
             await admin.set_policy(name, pattern, definition)
-
-        async def all_live() -> bool:
-            status = await admin.cluster_status()
-            return sum(node.alive for node in status.nodes) == len(info.nodes)
-
-        await until(all_live, 20, "every node live in the coordinator's records")
-    finally:
-        await admin.close()
+    await every_node_live(info.coordinator.address, len(info.nodes))
     return info
 
 

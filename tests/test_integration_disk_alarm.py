@@ -11,7 +11,8 @@ import pytest
 
 from services import cluster
 from services.disk_monitor import MEBIBYTE
-from tests.test_ringqctl_queues import NODE_ARGS, as_json, ok
+from tests.clusters import NODE_ARGS
+from tests.test_ringqctl_queues import as_json, ok
 
 pytestmark = pytest.mark.integration
 

@@ -42,8 +42,7 @@ from google.protobuf.message import Message
 from ringq import aio
 from ringq.v1 import coordinator_pb2, coordinator_pb2_grpc, queue_pb2
 from services import cluster
-from tests.clusters import live_cluster
-from tests.test_integration_queue import NODE_ARGS
+from tests.clusters import NODE_ARGS, live_cluster
 
 pytestmark = pytest.mark.integration
 

@@ -23,7 +23,7 @@ import pytest
 from ringq import aio
 from ringq.v1 import coordinator_pb2, coordinator_pb2_grpc, queue_pb2
 from services import cluster
-from tests.test_integration_queue import NODE_ARGS
+from tests.clusters import NODE_ARGS, every_node_live
 
 pytestmark = pytest.mark.integration
 MESSAGES = 500
@@ -40,7 +40,7 @@ async def _policy(info: cluster.ClusterInfo, definition: dict[str, object]) -> N
 async def _unsynchronised_mirrors(directory: Path, promote: str) -> tuple[cluster.ClusterInfo, aio.Connection]:
     info = cluster.up(3, directory, node_args=NODE_ARGS)
     await _policy(info, {"ha-mode": "exactly", "ha-params": 1})  # master only
-    await asyncio.sleep(2.0)  # nodes' heartbeats: all live
+    await every_node_live(info.coordinator.address, len(info.nodes))
     by_name = {n.name: n.address for n in info.nodes}
     client = aio.Connection([by_name["node1"], by_name["node2"], by_name["node3"]])
     await client.declare_queue("ha.q", durable=True)

@@ -25,9 +25,9 @@ from ringq import aio
 from ringq.v1 import coordinator_pb2, coordinator_pb2_grpc, queue_pb2
 from services import cluster
 from services.queue.service import MAX_DELIVERIES_PER_RESPONSE
+from tests.clusters import NODE_ARGS, every_node_live
 
 pytestmark = pytest.mark.integration
-NODE_ARGS = ["--failure-timeout-ms", "600", "--heartbeat-interval-ms", "100", "--grace-ms", "100"]
 TOTAL = 100_000
 
 
@@ -39,7 +39,7 @@ async def _start(directory: Path, node_args: list[str] | None = None) -> cluster
     async with grpc.aio.insecure_channel(info.coordinator.address) as channel:
         stub = coordinator_pb2_grpc.CoordinatorServiceStub(channel)
         await stub.SetPolicy(coordinator_pb2.SetPolicyRequest(policy=policy))
-    await asyncio.sleep(2.0)  # every node's heartbeat has reached the coordinator: all are live
+    await every_node_live(info.coordinator.address, len(info.nodes))
     return info
 
 
@@ -205,8 +205,8 @@ async def _failover(directory: Path, consume_during: bool) -> dict[str, float]:
     declared = await client.declare_queue(queue, durable=True)
     master = declared.master_node
     deadline = time.monotonic() + 20
-    while len((await client.queue_status(queue)).synchronised_mirrors) < 2:
-        assert time.monotonic() < deadline, "mirrors did not synchronise"
+    while len((status := await client.queue_status(queue)).synchronised_mirrors) < 2:
+        assert time.monotonic() < deadline, f"mirrors did not synchronise: {status}"
         await asyncio.sleep(0.1)
     producer = client.producer(queue, window=2000, batch=200)
     seen: dict[int, int] = {}  # seq -> deliveries

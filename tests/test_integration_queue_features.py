@@ -18,7 +18,7 @@ import pytest
 from ringq import aio
 from ringq.v1 import coordinator_pb2, coordinator_pb2_grpc
 from services import cluster
-from tests.test_integration_queue import NODE_ARGS
+from tests.clusters import NODE_ARGS, every_node_live
 
 pytestmark = pytest.mark.integration
 
@@ -43,7 +43,7 @@ def nodes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[str]]:
                     vhost="/", name=name, pattern=pattern, definition_json=json.dumps(definition)
                 )
                 await stub.SetPolicy(coordinator_pb2.SetPolicyRequest(policy=policy))
-        await asyncio.sleep(2.0)  # nodes' heartbeats: all live
+        await every_node_live(info.coordinator.address, len(info.nodes))
 
     asyncio.run(setup())
     try:

@@ -20,7 +20,7 @@ import pytest
 from ringq import aio
 from ringq.v1 import coordinator_pb2, coordinator_pb2_grpc
 from services import cluster
-from tests.test_integration_queue import NODE_ARGS
+from tests.clusters import NODE_ARGS, every_node_live
 
 pytestmark = pytest.mark.integration
 BACKLOG = 20_000
@@ -44,7 +44,7 @@ async def _wait(condition: object, what: str, timeout: float = 60) -> None:
 async def _scenario(directory: Path) -> dict[str, float]:
     info = cluster.up(3, directory, node_args=NODE_ARGS)
     await _policy(info, {"ha-mode": "exactly", "ha-params": 2, "ha-sync-mode": "automatic"})
-    await asyncio.sleep(2.0)  # nodes' heartbeats: all live
+    await every_node_live(info.coordinator.address, len(info.nodes))
     client = aio.Connection([n.address for n in info.nodes])
     await client.declare_queue("ha.sync")
 

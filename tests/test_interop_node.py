@@ -28,7 +28,7 @@ import pytest
 
 from ringq.v1 import coordinator_pb2, coordinator_pb2_grpc, queue_pb2, queue_pb2_grpc
 from services import cluster
-from tests.test_integration_queue import NODE_ARGS
+from tests.clusters import NODE_ARGS, every_node_live
 
 pytestmark = pytest.mark.integration
 
@@ -85,7 +85,7 @@ def addresses(node: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[l
         async with grpc.aio.insecure_channel(info.coordinator.address) as channel:
             stub = coordinator_pb2_grpc.CoordinatorServiceStub(channel)
             await stub.SetPolicy(coordinator_pb2.SetPolicyRequest(policy=policy))
-        await asyncio.sleep(2.0)  # every node's heartbeat has reached the coordinator: all are live
+        await every_node_live(info.coordinator.address, len(info.nodes))
 
     try:
         asyncio.run(setup())

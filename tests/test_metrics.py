@@ -18,7 +18,7 @@ from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_serv
 
 from ringq import aio
 from services import cluster
-from tests.test_integration_queue import NODE_ARGS
+from tests.clusters import NODE_ARGS
 
 pytestmark = pytest.mark.integration
 

@@ -22,9 +22,9 @@ import pytest
 
 from ringq import aio
 from services import cluster
+from tests.clusters import NODE_ARGS, await_every_node_live
 
 pytestmark = pytest.mark.integration
-NODE_ARGS = ["--failure-timeout-ms", "600", "--heartbeat-interval-ms", "100", "--grace-ms", "100"]
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +32,7 @@ def info(tmp_path_factory: pytest.TempPathFactory) -> Iterator[cluster.ClusterIn
     directory = tmp_path_factory.mktemp("ringqctl")
     try:
         started = cluster.up(3, directory, node_args=NODE_ARGS)
-        time.sleep(2.0)  # every node's heartbeat has reached the coordinator: all are live
+        await_every_node_live(started.coordinator.address, len(started.nodes))
         yield started
     finally:
         cluster.down(directory)

@@ -13,7 +13,7 @@ import pytest
 
 from ringq import aio, tracing
 from services import cluster
-from tests.test_integration_queue import NODE_ARGS
+from tests.clusters import NODE_ARGS, every_node_live
 
 pytestmark = pytest.mark.integration
 
@@ -41,7 +41,7 @@ def test_one_message_one_trace_across_processes(traced_cluster: tuple[cluster.Cl
         admin = aio.Admin(info.coordinator.address)
         await admin.set_policy("ha", "^ha\\.", {"ha-mode": "all", "ha-sync-mode": "automatic"})
         await admin.close()
-        await asyncio.sleep(2.0)  # every node live: the queue is placed on all three
+        await every_node_live(info.coordinator.address, len(info.nodes))  # the queue is placed on all three
         async with aio.Connection([n.address for n in info.nodes]) as connection:
             await connection.declare_queue("ha.traced")
             deadline = time.monotonic() + 20

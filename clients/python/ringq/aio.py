@@ -704,8 +704,8 @@ class Consumer:
 class Admin:
     """Policies and cluster status, through the coordinator(s); queues through `Connection`.
 
-        admin = Admin(["127.0.0.1:7000"])
-        await admin.set_policy("ha-two", "^ha\\.", {"ha-mode": "exactly", "ha-params": 2})
+    admin = Admin(["127.0.0.1:7000"])
+    await admin.set_policy("ha-two", "^ha\\.", {"ha-mode": "exactly", "ha-params": 2})
     """
 
     def __init__(self, coordinators: Sequence[str] | str, *, vhost: str = "/", timeout: float = 5.0) -> None:
@@ -713,6 +713,12 @@ class Admin:
         self.vhost = vhost
         self.timeout = timeout
         self._channels: dict[str, grpc.aio.Channel] = {}
+
+    async def __aenter__(self) -> Admin:
+        return self
+
+    async def __aexit__(self, *_: object) -> None:
+        await self.close()
 
     async def _call(self, method: str, request: Any) -> Any:
         last: grpc.aio.AioRpcError | None = None

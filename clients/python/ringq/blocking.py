@@ -174,6 +174,12 @@ class Admin:
     def __init__(self, coordinators: Sequence[str] | str, **options: Any) -> None:
         self.aio: aio.Admin = _run(_made(lambda: aio.Admin(coordinators, **options)))
 
+    def __enter__(self) -> Admin:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.close()
+
     def set_policy(self, name: str, pattern: str, definition: Mapping[str, Any], **options: Any) -> None:
         _run(self.aio.set_policy(name, pattern, definition, **options))
 
