@@ -42,6 +42,8 @@ from ringq import aio
 from ringq.v1 import queue_pb2, queue_replication_pb2
 from services import cluster
 from services import node as node_process
+from services.coordinator.metadata import QueueRecord
+from services.queue.manager import queue_dir_name
 from services.queue.replica_log import current_log_directory
 from tests.clusters import HA_ALL, every_node_live
 
@@ -214,14 +216,12 @@ def records(data: bytes) -> list[Record]:
     return found
 
 
-def queue_log_dir(cluster_directory: Path, node: str, gm_group: str) -> Path:
-    """The directory where `node` keeps the log of the queue whose GM group is `gm_group`: a node's data
-    directory is DATA/<node> in the cluster's directory, and a queue's log is the directory named after
-    its group somewhere below it (services/queue/manager.py)."""
-    data = cluster_directory / "data" / node
-    found = [path for path in data.rglob(gm_group) if path.is_dir()]
-    assert len(found) == 1, f"{node} has {len(found)} log directories for {gm_group} under {data}: {found}"
-    return Path(current_log_directory(str(found[0])))
+def queue_log_dir(cluster_directory: Path, node: str, queue: str, gm_group: str) -> Path:
+    """The directory where `node` keeps the log of `queue` (vhost "/") in its incarnation `gm_group`: a
+    node's data directory is DATA/<node> in the cluster's directory (services/queue/manager.py)."""
+    found = cluster_directory / "data" / node / "queues" / queue_dir_name(QueueRecord("/", queue, gm_group=gm_group))
+    assert found.is_dir(), f"{node} has no log directory for {queue} ({gm_group}): {found}"
+    return Path(current_log_directory(str(found)))
 
 
 def newest_segment(log_dir: Path) -> Path:

@@ -182,9 +182,12 @@ def _damage_and_cut(directory: Path, combinations: list[_Combination], groups: d
     """With every node down: one byte flipped in the damaged replica's log, the cut replica's tail cut."""
     for combination in combinations:
         group = groups[combination.queue]
-        damaged_log = queue_log_dir(directory, combination.nodes[combination.damaged], group)
+        damaged_log = queue_log_dir(directory, combination.nodes[combination.damaged], combination.queue, group)
         combination.damage = damage_middle_record(newest_segment(damaged_log))
-        cut_tail(newest_segment(queue_log_dir(directory, combination.nodes[combination.cut], group)), CUT_BYTES)
+        cut_tail(
+            newest_segment(queue_log_dir(directory, combination.nodes[combination.cut], combination.queue, group)),
+            CUT_BYTES,
+        )
 
 
 async def _judge_damage_reports(demands: Demands, client: aio.Connection, combinations: list[_Combination]) -> None:
@@ -360,7 +363,7 @@ async def _master_disk_fills(directory: Path, disk: SmallDisk) -> dict[str, floa
                 f"{len(ledger.confirmed) - held} persistent publishes confirmed while the master's disk was full "
                 f"(the queue said {statuses[-1].status if statuses else None!r})",
             )
-            on_disk = logged_messages(queue_log_dir(directory, "node1", group))
+            on_disk = logged_messages(queue_log_dir(directory, "node1", DISK_QUEUE, group))
             not_on_disk = {("steady", seq) for seq in ledger.confirmed} - on_disk
             demands.check(not not_on_disk, f"{len(not_on_disk)} confirmed messages are not on the master's disk")
             unclear = sorted({(code.name, details) for code, details in ledger.refused.values()})

@@ -47,10 +47,10 @@ def _re_error(pattern: str) -> str:
 REFUSED_FIELDS: list[tuple[dict[str, Any], str, str]] = [
     ({"vhost": ""}, "vhost", "vhost: must not be empty"),
     ({"vhost": 7}, "vhost", "vhost: must be a string, got 7"),
-    ({"vhost": "a\x00b"}, "vhost", "vhost: must be printable, got the character '\\x00'"),
+    ({"vhost": "a\x00b"}, "vhost", "vhost: must not contain a control character ('\\x00' at 1)"),
     ({"name": ""}, "name", "name: must not be empty"),
-    ({"name": "x" * 256}, "name", "name: must be at most 255 characters, got 256"),
-    ({"name": "two\nlines"}, "name", "name: must be printable, got the character '\\n'"),
+    ({"name": "x" * 256}, "name", "name: must be at most 255 bytes of UTF-8, got 256"),
+    ({"name": "two\nlines"}, "name", "name: must not contain a control character ('\\n' at 3)"),
     ({"pattern": "("}, "pattern", f"pattern: not a valid regular expression: {_re_error('(')}"),
     ({"pattern": "[a-"}, "pattern", f"pattern: not a valid regular expression: {_re_error('[a-')}"),
     ({"pattern": None}, "pattern", "pattern: must be a string, got null"),
@@ -272,7 +272,7 @@ REFUSED_DEFINITIONS: list[tuple[dict[Any, Any], str, str]] = [
     (
         {"dead-letter-exchange": "x" * 256},
         "dead-letter-exchange",
-        "dead-letter-exchange: must be at most 255 characters, got 256",
+        "dead-letter-exchange: must be at most 255 bytes of UTF-8, got 256",
     ),
     (
         {"dead-letter-routing-key": "dead"},

@@ -59,6 +59,9 @@ def test_seeded_schedules_lose_no_confirmed_message_and_converge(first: int) -> 
         3498,
         # The fault model spoiled every listed replica over two crashes (not a promise the queue makes).
         4310,
+        # The master died while the eldest synchronised mirror's node was down but not yet recorded dead;
+        # when its death came the other mirrors did not look again: no promotion, the queue waited.
+        19183,
     ],
 )
 def test_seeds_that_found_bugs(seed: int) -> None:

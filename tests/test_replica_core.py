@@ -20,6 +20,7 @@ from services.queue.replica_core import (
     ReleaseConfirms,
     Role,
     Stop,
+    UpdateRecord,
     WatchDisk,
     WriteLog,
 )
@@ -265,6 +266,29 @@ def test_the_eldest_synchronised_mirror_promotes_itself_by_compare_and_set_and_r
     assert driven.core.role is Role.MASTER and driven.record.master == "node2"
     assert driven.record.master_epoch == 2
     assert any(e.kind == "promoted" for e in driven.core.events)
+
+
+def test_a_mirror_promotes_when_the_eldest_dies_after_the_master() -> None:
+    """Found by the simulator (seed 19183): the master died while the eldest synchronised mirror's node
+    was down but not yet recorded dead; when its death came, the others did not look again, and the
+    queue waited for its old master's node to come back and recover, with two synchronised mirrors live."""
+    driven = mirror_of(durable=False, mirrors=("node3", "node2"), synchronised_mirrors=("node3", "node2"))
+    driven.run(driven.core.on_members_changed(["node3.c"], [], 0))
+    driven.run(driven.core.on_members_changed([], ["node1.a"], 0))
+    assert driven.core.role is Role.MIRROR and driven.record.master == "node1", "node3 is the eldest"
+    driven.run(driven.core.on_members_changed([], ["node3.c"], 0))
+    assert role(driven) is Role.MASTER and driven.record.master == "node2"
+    assert driven.record.master_epoch == 2
+
+
+def test_a_mirror_that_knows_of_a_newer_master_does_not_try_to_promote() -> None:
+    driven = mirror_of(durable=False, mirrors=("node2", "node3"), synchronised_mirrors=("node2", "node3"))
+    driven.run(driven.core.on_members_changed(["node3.c"], [], 0))
+    driven.set_record(master="node3", master_epoch=2, mirrors=("node2",))
+    effects = driven.core.on_members_changed([], ["node1.a"], 0)
+    assert not [e for e in effects if isinstance(e, UpdateRecord)], "no compare-and-set bound to fail"
+    driven.run(effects)
+    assert driven.core.role is Role.MIRROR and driven.record.master == "node3"
 
 
 def test_a_master_that_stops_answers_every_step_that_waited() -> None:

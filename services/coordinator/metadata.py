@@ -25,6 +25,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any, TypeVar
 from urllib.parse import quote
 
+from ringq.names import check_name
 from services.coordinator import leases, placement, policies
 from services.coordinator.leases import Lease
 from services.coordinator.policies import Policy
@@ -227,6 +228,7 @@ def declare_queue(
 ) -> QueueRecord:
     """Create `declared` (placed by its effective policy), or return the existing
     queue if it has the same properties; QueueMismatch if they differ."""
+    _check_names(declared)
 
     def step() -> QueueRecord | None:
         existing = store.get(QUEUE, declared.key)
@@ -251,12 +253,21 @@ def declare_queue(
 
 def update_queue(store: Store, queue: QueueRecord, expected_version: int) -> QueueRecord:
     """Replace a queue record if its version is `expected_version`; Conflict otherwise."""
+    _check_names(queue)
     written = store.put(QUEUE, queue.key, queue_value(queue), expected_version)
     if written is None:
         if store.get(QUEUE, queue.key) is None:
             raise NotFound(f"no queue {queue.name!r} in vhost {queue.vhost!r}")
         raise Conflict(f"queue {queue.name!r} changed since version {expected_version}")
     return queue_from_record(written)
+
+
+def _check_names(queue: QueueRecord) -> None:
+    """InvalidName (a ValueError) unless the record's vhost, name and group name follow ringq.names."""
+    check_name("vhost", queue.vhost)
+    check_name("name", queue.name)
+    if queue.gm_group:
+        check_name("gm_group", queue.gm_group)
 
 
 def delete_queue(store: Store, vhost: str, name: str, expected_version: int = 0) -> None:

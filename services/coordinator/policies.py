@@ -43,7 +43,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, NoReturn, TypeGuard
 
-MAX_NAME_LENGTH = 255  # AMQP short string, the limit for vhosts, policy and queue names
+from ringq.names import name_problem
+
 MIN_PRIORITY = -(2**31)
 MAX_PRIORITY = 2**31 - 1
 APPLY_TO = ("all", "queues")
@@ -242,13 +243,9 @@ def definition_summary(definition: Mapping[str, Any]) -> str:
 def _check_label(key: str, value: object) -> None:
     if not isinstance(value, str):
         _fail(key, f"must be a string, got {_show(value)}")
-    if not value:
-        _fail(key, "must not be empty")
-    if len(value) > MAX_NAME_LENGTH:
-        _fail(key, f"must be at most {MAX_NAME_LENGTH} characters, got {len(value)}")
-    for character in value:
-        if not character.isprintable():
-            _fail(key, f"must be printable, got the character {character!r}")
+    problem = name_problem(value)
+    if problem is not None:
+        _fail(key, problem)
 
 
 def _check_pattern(pattern: object) -> None:
@@ -440,12 +437,9 @@ def _check_choice(definition: Mapping[str, Any], key: str, choices: tuple[str, .
 
 def _check_string(definition: Mapping[str, Any], key: str, *, allow_empty: bool) -> None:
     value = definition[key]
-    if not isinstance(value, str):
-        _fail(key, f"must be a string, got {_show(value)}")
-    if not value and not allow_empty:
-        _fail(key, "must not be empty")
-    if len(value) > MAX_NAME_LENGTH:
-        _fail(key, f"must be at most {MAX_NAME_LENGTH} characters, got {len(value)}")
+    if value == "" and allow_empty:
+        return
+    _check_label(key, value)
 
 
 def _choices(choices: tuple[str, ...]) -> str:

@@ -29,8 +29,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-# Kinds and keys name ZooKeeper znodes and SQLite rows: keep them printable.
-MAX_KEY_LENGTH = 512
+# Kinds and keys name ZooKeeper znodes and SQLite rows: keep them printable. A key fits the longest
+# queue key: a vhost and a name of 255 bytes each (ringq.names), both percent-quoted (3 x 255 + 1 + 3 x 255).
+MAX_KEY_LENGTH = 2048
 CHANGE_LOG_RETAINED = 10_000
 
 

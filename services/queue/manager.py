@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
+import json
 import logging
 import os
 from collections.abc import Awaitable, Callable, Iterator
 from typing import Protocol
-from urllib.parse import quote
 
 import grpc
 
@@ -39,6 +40,13 @@ QueueKey = tuple[str, str]
 # A replica that stopped is recreated after this long, doubling up to the maximum while it keeps stopping.
 RECREATE_AFTER_S = 0.5
 RECREATE_AFTER_MAX_S = 30.0
+
+
+def queue_dir_name(record: QueueRecord) -> str:
+    """The directory name of a queue incarnation's files: a digest of its vhost, name and GM group,
+    so no name or record field ever becomes (part of) a path, whatever it holds and however long."""
+    identity = json.dumps([record.vhost, record.name, record.gm_group]).encode()
+    return "q-" + hashlib.sha256(identity).hexdigest()[:32]
 
 
 class QueueNode(Protocol):
@@ -212,9 +220,7 @@ class QueueManager:
 
     def queue_dir(self, record: QueueRecord) -> str:
         """Where this node keeps `record`'s messages: per queue incarnation (its GM group)."""
-        return os.path.join(
-            self.data_dir, "queues", quote(record.vhost, safe=""), quote(record.name, safe=""), record.gm_group
-        )
+        return os.path.join(self.data_dir, "queues", queue_dir_name(record))
 
     async def update_record(
         self, record: QueueRecord, change: Callable[[QueueRecord], QueueRecord | None]

@@ -51,6 +51,9 @@ The hard cases
    never strands the deliveries its step decided.
 5. A starting replica may hear reports before it decides whom to follow; it applies them to what it
    restored (a sync reconciles everything later), but writes nothing to its log until synchronised.
+6. The eldest live synchronised mirror promotes itself when the master dies. Its node may be down but
+   not yet recorded dead: every later death (while the master is gone and the record names no newer
+   master) makes each mirror look again, or two live synchronised mirrors would wait for ever.
 
 Invariants (checked by tests/sim after every step)
 --------------------------------------------------
@@ -532,15 +535,17 @@ class ReplicaCore:
             effects += self._complete_ready(now_ms)
             effects += self._depth_if_due(now_ms)
         elif self.role is Role.MIRROR:
-            if self._master_died(deaths):
+            if deaths and self._master_gone(deaths):
+                # Also when the master died earlier: the mirror that was to promote may have died since.
                 effects += self._promote_if_eldest(now_ms)
         elif self.role is Role.RECOVERING:
             effects += self._recover_if_due(now_ms)
         return effects
 
-    def _master_died(self, deaths: Sequence[str]) -> bool:
+    def _master_gone(self, deaths: Sequence[str]) -> bool:
+        """The master this mirror follows is dead (in `deaths` or before them)."""
         if self.master_member:
-            return self.master_member in deaths
+            return self.master_member not in self.live
         return (
             any(node_of(dead) == self.record.master for dead in deaths) and self.record.master not in self.live_nodes()
         )
@@ -1208,6 +1213,8 @@ class ReplicaCore:
         record = self.record
         mirror = self.mirror
         assert mirror is not None
+        if record.master_epoch != self.epoch:
+            return []  # a newer master is recorded already: this mirror follows it once it hears it
         live = self.live_nodes()
         candidates = [m for m in record.mirrors if m in record.synchronised_mirrors and m in live]
         promote_unsynchronised = (

@@ -29,6 +29,7 @@ from typing import Any, TypeVar
 import grpc
 
 from ringq import tracing
+from ringq.names import name_problem
 from ringq.v1 import queue_pb2, queue_pb2_grpc
 from services.coordinator.client import CoordinatorClient
 from services.coordinator.metadata import QueueRecord
@@ -81,6 +82,15 @@ def _settlement(settlement: queue_pb2.Settlement) -> Settlement:
 
 def _vhost(ref: queue_pb2.QueueRef) -> str:
     return ref.vhost or "/"
+
+
+def _ref_problem(ref: queue_pb2.QueueRef) -> str:
+    """Why `ref` names no queue (ringq.names), or "" if it does."""
+    for field, value in (("vhost", _vhost(ref)), ("queue", ref.queue)):
+        problem = name_problem(value)
+        if problem is not None:
+            return f"{field} {problem}"
+    return ""
 
 
 def _delivery(delivery: Delivery) -> queue_pb2.QueueDelivery:
@@ -154,8 +164,9 @@ class QueueServicer(queue_pb2_grpc.QueueServiceServicer):
     # -------------------------------------------------------------- routing
 
     async def _record(self, ref: queue_pb2.QueueRef) -> QueueRecord:
-        if not ref.queue:
-            raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "queue must not be empty")
+        problem = _ref_problem(ref)
+        if problem:
+            raise Refused(grpc.StatusCode.INVALID_ARGUMENT, problem)
         try:
             return await self.coordinator.get_queue(_vhost(ref), ref.queue)
         except grpc.aio.AioRpcError as error:
@@ -233,8 +244,9 @@ class QueueServicer(queue_pb2_grpc.QueueServiceServicer):
 
     async def DeclareQueue(self, request: queue_pb2.QueueDeclareRequest, context: _Context) -> queue_pb2.QueueInfo:
         ref = request.queue
-        if not ref.queue:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "queue must not be empty")
+        problem = _ref_problem(ref)
+        if problem:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
         for key, value in request.arguments.items():
             try:
                 json.loads(value)

@@ -395,6 +395,8 @@ class SimReplica:
         if self.gone:
             return
         now, core = self.sim.now(), self.core
+        if self.sim.trace and not isinstance(event, (Deliver, Confirmed)):
+            print(f"{now:>7} {self.member_id} RING {event}")
         if isinstance(event, Joined):
             self.execute(core.on_joined(self.member_id, event.members, now))
         elif isinstance(event, MembersChanged):

@@ -47,9 +47,7 @@ def metrics_enabled() -> bool:
     return _state["meters"] is not None
 
 
-def configure(
-    service_name: str, process: str, trace_dir: str | None = None, sample_ratio: float | None = None
-) -> bool:
+def configure(service_name: str, process: str, trace_dir: str | None = None, sample_ratio: float | None = None) -> bool:
     """Install tracing for this process if an OTLP endpoint or a span directory is set; idempotent.
     `sample_ratio` (0..1) traces that share of new traces (default: OTEL_TRACES_SAMPLER, else all).
     Returns whether tracing is on."""
