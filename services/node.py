@@ -85,6 +85,8 @@ PEER_CHANNEL_OPTIONS = [
 # the request is asked again; anything else came from the node, which therefore lives.
 NO_ANSWER_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED})
 JOIN_RETRY_PAUSE_SECONDS = 0.05
+# How often a join that gets no answer is noted in the log.
+SLOW_JOIN_NOTE_SECONDS = 5.0
 # A Delivery event carries at most this many payload bytes (but always at
 # least one payload), so one flush of many large payloads becomes several events.
 MAX_DELIVERY_EVENT_BYTES = 4 * 1024 * 1024
@@ -243,7 +245,20 @@ class Node:
         channel's reconnect backoff for up to the failure timeout; whether `left` is down is
         the failure detector's call (the member watches its join target), never this one's."""
         request = peer_pb2.AddOnRightRequest(group=group, left=left, newcomer=newcomer, newcomer_node=self.id)
+        started = time.monotonic()
+        note_at, last = started + SLOW_JOIN_NOTE_SECONDS, "no address for its node yet"
         while True:
+            if time.monotonic() >= note_at:  # an operator can tell a slow join from a stuck one
+                waited = time.monotonic() - started
+                log.info(
+                    "member %s: %s on %s has not answered AddOnRight in %.0f s (last: %s)",
+                    newcomer,
+                    left,
+                    node,
+                    waited,
+                    last,
+                )
+                note_at += SLOW_JOIN_NOTE_SECONDS
             address = await self.address_of(node)
             if address is not None:
                 stub = peer_pb2_grpc.PeerServiceStub(self.peer_channel(address))
@@ -257,6 +272,7 @@ class Node:
                     if code == grpc.StatusCode.NOT_FOUND:
                         # Its node does not host it (the node restarted): it is gone.
                         raise NotHosted("its node answered that it does not host it") from error
+                    last = f"{code.name} {error.details()}"
                     if code not in NO_ANSWER_CODES:
                         if code != grpc.StatusCode.FAILED_PRECONDITION:  # not "still joining itself"
                             log.warning("AddOnRight to %s on %s: %s %s", left, node, code.name, error.details())

@@ -52,6 +52,8 @@ log = logging.getLogger("ringq.member")
 MemberEvent = Joined | Deliver | MembersChanged | Stopped
 # How long to wait before choosing again after the member asked answered "not ready".
 NOT_READY_PAUSE_SECONDS = 0.05
+# How often a join that has not succeeded is noted in the log.
+SLOW_JOIN_NOTE_SECONDS = 5.0
 
 
 class NotHosted(Exception):
@@ -137,6 +139,9 @@ class MemberShell:
         self._confirms: list[tuple[int, asyncio.Future[None]]] = []
         self._confirmed_through = 0
         self._add_replies: dict[str, asyncio.Future[Group | None]] = {}
+        self._joining_since: float | None = None
+        self._join_noted_at = 0.0
+        self._join_attempts = 0
         self._calls: set[asyncio.Future[tuple[int, list[Action]]]] = set()
         self._flush_armed = False
         # Told of every ring message this member receives, with the node it came from
@@ -280,6 +285,7 @@ class MemberShell:
         elif isinstance(action, Confirmed):
             self._confirm(action.through_seq)
         elif isinstance(action, Joined):
+            self._joining_since = None
             self.joined.set()
             self.events(action)
         elif isinstance(action, ReadGroup):
@@ -302,6 +308,7 @@ class MemberShell:
         elif isinstance(action, ChooseLeft):
             return core.join_via(random.choice(action.candidates))
         elif isinstance(action, RequestAddOnRight):
+            self._note_slow_join(action.left, action.node)
             task = asyncio.ensure_future(self._request_add(action.left, action.node))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
@@ -322,6 +329,23 @@ class MemberShell:
         elif isinstance(action, Stopped):
             self._finish(action)
         return []
+
+    def _note_slow_join(self, left: str, node: str) -> None:
+        """Log, every SLOW_JOIN_NOTE_SECONDS, a join that has not succeeded yet (it asks `left` now)."""
+        now = time.monotonic()
+        if self._joining_since is None:
+            self._joining_since, self._join_noted_at, self._join_attempts = now, now, 0
+        self._join_attempts += 1
+        if now - self._join_noted_at >= SLOW_JOIN_NOTE_SECONDS:
+            self._join_noted_at = now
+            log.info(
+                "member %s: still joining after %.0f s and %d requests; asking %s on %s now",
+                self.id,
+                now - self._joining_since,
+                self._join_attempts,
+                left,
+                node,
+            )
 
     def _flush_due(self) -> None:
         self._flush_armed = False
