@@ -8,8 +8,10 @@ from collections.abc import Callable
 from typing import Any
 
 import grpc
+import pytest
 
 from ringq.v1 import peer_pb2, peer_pb2_grpc
+from services.gm import links
 from services.gm.links import LinkManager
 
 
@@ -112,5 +114,36 @@ def test_a_dial_loop_waiting_out_its_backoff_does_not_refuse_the_peers_dial() ->
         finally:
             for node in (one, two):
                 await node.close()
+
+    asyncio.run(asyncio.wait_for(scenario(), 30))
+
+
+def test_a_dial_to_an_address_that_never_answers_refuses_the_peers_dial_only_for_the_hello_timeout(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """node1 dials node2 at an address where something accepts TCP connections but never speaks
+    (gRPC's connect waits up to 20 s there): while that dial waits for the Hello, node1 refuses node2's
+    own dials (the tie-break), so the wait must be bounded as a whole, the write of our Hello included."""
+    monkeypatch.setattr(links, "HELLO_TIMEOUT_SECONDS", 0.5, raising=False)
+
+    async def scenario() -> None:
+        silent = await asyncio.start_server(lambda reader, writer: None, "127.0.0.1", 0)
+        silent_port = silent.sockets[0].getsockname()[1]
+        addresses: dict[str, str] = {}
+        one, two = _Node("node1", addresses), _Node("node2", addresses)
+        for node in (one, two):
+            await node.server.start()
+        addresses["node2"], two_address = f"127.0.0.1:{silent_port}", addresses["node2"]
+        try:
+            one.links.want({"node2"})
+            await _until(lambda: one.links._links["node2"].hello_pending)
+            two.links.send("node1", _message("through"))
+            await _until(lambda: one.received == ["through"], seconds=3.0)
+            assert one.links.is_connected("node2") and two.links.is_connected("node1")
+            addresses["node2"] = two_address
+        finally:
+            for node in (one, two):
+                await node.close()
+            silent.close()
 
     asyncio.run(asyncio.wait_for(scenario(), 30))

@@ -40,6 +40,10 @@ PROTOCOL_MAJOR = 1
 PROTOCOL_MINOR = 0
 # Large enough for any fragment plus framing; fragments keep frames far below it.
 GRPC_MAX_MESSAGE_BYTES = 8 * 1024 * 1024
+# How long a dial waits for the peer's Hello (the write of ours included).
+HELLO_TIMEOUT_SECONDS = 5.0
+# How often a link that stays down while wanted is noted in the log.
+SLOW_DIAL_NOTE_SECONDS = 5.0
 CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", GRPC_MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", GRPC_MAX_MESSAGE_BYTES),
@@ -187,14 +191,20 @@ class LinkManager:
     async def _dial_loop(self, link: _Link) -> None:
         backoff = 0.02
         address_checked = False  # refused at an address just asked for: the process is gone
+        started = self.clock()
+        note_at, last = started + SLOW_DIAL_NOTE_SECONDS, "no address yet"
         try:
             while not self._closed and not link.active and (link.wanted or not link.outbox.empty()):
+                if self.clock() >= note_at:  # an operator can tell a link that stays down, and why
+                    log.info("link to %s: down for %.0f s (last: %s)", link.peer, self.clock() - started, last)
+                    note_at += SLOW_DIAL_NOTE_SECONDS
                 address = await self.address_of(link.peer)
                 if address is not None:
                     try:
                         await self._dial(link, address)
                         backoff = 0.02
                     except grpc.aio.AioRpcError as error:
+                        last = f"{error.code().name} {error.details()}"
                         log.debug("link to %s: %s", link.peer, error.code().name)
                         refused = _connection_refused(error)
                         if refused and not address_checked and self.forget_address is not None:
@@ -203,6 +213,7 @@ class LinkManager:
                             continue
                         link.refused = link.streams > 0 and refused
                     except (TimeoutError, ConnectionError, FragmentError) as error:
+                        last = repr(error)
                         log.debug("link to %s: %s", link.peer, error)
                 if link.active:
                     break
@@ -223,8 +234,12 @@ class LinkManager:
         call = open_link()
         link.hello_pending = True
         try:
-            await call.write(frame(hello=peer_pb2.Hello(node=self.node, incarnation=self.incarnation)))
-            answer: Any = await asyncio.wait_for(call.read(), timeout=5.0)
+            hello = frame(hello=peer_pb2.Hello(node=self.node, incarnation=self.incarnation))
+            # Bounded as a whole: while it lasts the peer's own dial is refused (the tie-break).
+            answer: Any = await asyncio.wait_for(_write_then_read(call, hello), timeout=HELLO_TIMEOUT_SECONDS)
+        except TimeoutError:
+            call.cancel()
+            raise
         finally:
             link.hello_pending = False
         if answer is _EOF or answer.WhichOneof("kind") != "hello" or answer.hello.node != link.peer:
@@ -239,7 +254,10 @@ class LinkManager:
 
     async def accept(self, context: grpc.aio.ServicerContext[Any, Any]) -> None:
         """Serve one incoming Link stream (PeerService.Link) until it ends."""
-        first = await context.read()
+        try:
+            first = await asyncio.wait_for(context.read(), timeout=HELLO_TIMEOUT_SECONDS)
+        except TimeoutError:
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"no Hello within {HELLO_TIMEOUT_SECONDS:g} s")
         if first is _EOF or first.WhichOneof("kind") != "hello" or not first.hello.node:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a link must open with a Hello naming the node")
         hello = first.hello
@@ -348,6 +366,11 @@ class LinkManager:
                         log.warning("dropping an unreadable message from %s: %s", link.peer, error)
                         continue
                     self.on_ring_message(link.peer, message)
+
+
+async def _write_then_read(call: Any, hello: peer_pb2.PeerFrame) -> Any:
+    await call.write(hello)
+    return await call.read()
 
 
 def _connection_refused(error: grpc.aio.AioRpcError) -> bool:
