@@ -55,6 +55,7 @@ from services.gm.messages import Deliver, Joined, MembersChanged, RingMessage, S
 from services.gm.ring import NotJoined, RingMember
 from services.queue.manager import QueueManager
 from services.queue.service import QueueServicer
+from services.request_guard import RequestGuard
 
 log = logging.getLogger("ringq.node")
 
@@ -526,7 +527,7 @@ async def serve(
     advertise: str | None = None,
 ) -> None:
     """Run a node until SIGTERM or SIGINT; peers and clients are told `advertise` (default: the bound address)."""
-    server = grpc.aio.server(options=SERVER_OPTIONS)
+    server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=[RequestGuard()])
     try:
         port = server.add_insecure_port(listen)
     except RuntimeError as error:  # grpc's way of saying the port is taken

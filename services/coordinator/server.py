@@ -36,6 +36,7 @@ from services.coordinator.placement_trigger import PlacementTrigger, RecordChang
 from services.coordinator.sqlite_store import SqliteStore
 from services.coordinator.store import MAX_KEY_LENGTH, Store, StoreUnavailable
 from services.coordinator.watch import ChangeFeed, Resync
+from services.request_guard import RequestGuard
 
 log = logging.getLogger(__name__)
 
@@ -196,7 +197,7 @@ async def create_server(
     Also starts, for the life of the event loop, the change feed behind Watch
     and this coordinator's registration (so cluster_status lists it).
     """
-    server = grpc.aio.server(options=SERVER_KEEPALIVE)
+    server = grpc.aio.server(options=SERVER_KEEPALIVE, interceptors=[RequestGuard()])
     feed = ChangeFeed(store)
     await feed.start()
     coordinator_pb2_grpc.add_CoordinatorServiceServicer_to_server(CoordinatorServicer(store, feed, liveness_ms), server)
