@@ -9,7 +9,7 @@ import pytest
 from ringq.v1 import peer_pb2
 from services.coordinator.group_table import Group, GroupMember
 from services.gm import wire
-from services.gm.fragments import FragmentError, Reassembler, split
+from services.gm.fragments import FragmentError, Reassembler, ReassemblyBudget, split
 from services.gm.links import _coalesce, frame
 from services.gm.messages import Activity, Catchup, PublisherActivity, PublisherState, RingMessage
 from services.gm.pending import PendingRun
@@ -84,6 +84,22 @@ def test_an_oversized_message_is_refused() -> None:
     reassembler.add(peer_pb2.Fragment(message_id=1, index=0, count=3, chunk=b"123456"))
     with pytest.raises(FragmentError, match="larger"):
         reassembler.add(peer_pb2.Fragment(message_id=1, index=1, count=3, chunk=b"123456"))
+
+
+def test_partial_messages_of_all_links_share_one_budget() -> None:
+    """Found by review: each link could hold a partial message of up to 1 GiB, so unfinished fragment
+    sequences on a few links took a node from 48 MiB to 1.8 GiB."""
+    budget = ReassemblyBudget(limit_bytes=10)
+    first, second = Reassembler(budget=budget), Reassembler(budget=budget)
+    first.add(peer_pb2.Fragment(message_id=1, index=0, count=3, chunk=b"123456"))
+    with pytest.raises(FragmentError, match="reassembly budget is 10"):
+        second.add(peer_pb2.Fragment(message_id=1, index=0, count=3, chunk=b"123456"))
+    assert budget.held_bytes == 6
+    first.release()  # its link ended
+    assert budget.held_bytes == 0
+    second.add(peer_pb2.Fragment(message_id=2, index=0, count=2, chunk=b"123456"))
+    assert second.add(peer_pb2.Fragment(message_id=2, index=1, count=2, chunk=b"7")) == b"1234567"
+    assert budget.held_bytes == 0, "a completed message gives its bytes back"
 
 
 def test_ring_messages_survive_the_wire() -> None:

@@ -34,7 +34,7 @@ import grpc
 
 from ringq.keepalive import CHANNEL_KEEPALIVE
 from ringq.v1 import peer_pb2, peer_pb2_grpc
-from services.gm.fragments import MAX_FRAGMENT_BYTES, FragmentError, Reassembler, split
+from services.gm.fragments import MAX_FRAGMENT_BYTES, FragmentError, Reassembler, ReassemblyBudget, split
 
 PROTOCOL_MAJOR = 1
 PROTOCOL_MINOR = 0
@@ -101,8 +101,11 @@ class LinkManager:
         heartbeat_interval: float = 0.25,
         clock: Callable[[], float] = time.monotonic,
         forget_address: Callable[[str], None] | None = None,
+        reassembly_budget: ReassemblyBudget | None = None,
     ) -> None:
         self.node = node
+        # Partial fragmented messages of all links together stay within this budget.
+        self.reassembly_budget = reassembly_budget if reassembly_budget is not None else ReassemblyBudget()
         self.incarnation = incarnation
         self.address_of = address_of
         # Called when a peer refuses at the address we knew: it may have restarted on another port.
@@ -293,7 +296,7 @@ class LinkManager:
         reconnected = link.streams > 1
         link.peer_incarnation = hello.incarnation
         link.last_heard = self.clock()
-        reassembler = Reassembler()
+        reassembler = Reassembler(budget=self.reassembly_budget)
         writer = asyncio.ensure_future(self._write_loop(link, write))
         reader = asyncio.ensure_future(self._read_loop(link, read, reassembler))
 
@@ -312,6 +315,7 @@ class LinkManager:
             for task in (writer, reader):
                 with contextlib.suppress(BaseException):
                     await task
+            reassembler.release()
             if link.stop_stream is stop:  # else a newer stream replaced this one: the link is its now
                 link.active = False
                 link.stop_stream = None
@@ -356,8 +360,10 @@ class LinkManager:
                 try:
                     data = reassembler.add(received.fragment)
                 except FragmentError as error:
-                    log.warning("dropping a fragmented message from %s: %s", link.peer, error)
-                    continue
+                    # Closed, not skipped: frames after a lost one would reach the ring out of order; a
+                    # new stream makes members re-send their Catchup, which recovers what was lost.
+                    log.warning("closing the link from %s: %s", link.peer, error)
+                    return
                 if data is not None:
                     message = peer_pb2.RingMessage()
                     try:
