@@ -240,6 +240,12 @@ REFUSED_DEFINITIONS: list[tuple[dict[Any, Any], str, str]] = [
     ({"message-ttl": "1000"}, "message-ttl", 'message-ttl: must be an integer >= 0 (milliseconds), got "1000"'),
     ({"message-ttl": True}, "message-ttl", "message-ttl: must be an integer >= 0 (milliseconds), got true"),
     ({"message-ttl": 1.5}, "message-ttl", "message-ttl: must be an integer >= 0 (milliseconds), got 1.5"),
+    (
+        {"message-ttl": 2**32},
+        "message-ttl",
+        "message-ttl: must be at most 4294967295 (milliseconds), got 4294967296",
+    ),
+    ({"expires": 2**64 - 1}, "expires", f"expires: must be at most 4294967295 (milliseconds), got {2**64 - 1}"),
     ({"expires": 0}, "expires", "expires: must be an integer >= 1 (milliseconds), got 0"),
     ({"expires": False}, "expires", "expires: must be an integer >= 1 (milliseconds), got false"),
     ({"max-length": -1}, "max-length", "max-length: must be an integer >= 0 (messages), got -1"),

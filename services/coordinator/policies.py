@@ -45,6 +45,10 @@ from typing import Any, NoReturn, TypeGuard
 
 from ringq.names import name_problem
 
+# The longest time-to-live or expiry a policy, a queue or a message may ask for (AMQP's 32-bit
+# unsigned milliseconds, about 49.7 days): longer values are refused, never wrapped or clamped.
+MAX_TTL_MS = 2**32 - 1
+
 MIN_PRIORITY = -(2**31)
 MAX_PRIORITY = 2**31 - 1
 APPLY_TO = ("all", "queues")
@@ -336,11 +340,11 @@ def _most_mirrors(definition: Mapping[str, Any]) -> int | None:
 
 
 def _check_message_ttl(definition: Mapping[str, Any]) -> None:
-    _check_int(definition, "message-ttl", 0, " (milliseconds)")
+    _check_int(definition, "message-ttl", 0, " (milliseconds)", maximum=MAX_TTL_MS)
 
 
 def _check_expires(definition: Mapping[str, Any]) -> None:
-    _check_int(definition, "expires", 1, " (milliseconds)")
+    _check_int(definition, "expires", 1, " (milliseconds)", maximum=MAX_TTL_MS)
 
 
 def _check_max_length(definition: Mapping[str, Any]) -> None:
@@ -423,10 +427,12 @@ def _is_int(value: object) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _check_int(definition: Mapping[str, Any], key: str, minimum: int, unit: str) -> None:
+def _check_int(definition: Mapping[str, Any], key: str, minimum: int, unit: str, *, maximum: int | None = None) -> None:
     value = definition[key]
     if not _is_int(value) or value < minimum:
         _fail(key, f"must be an integer >= {minimum}{unit}, got {_show(value)}")
+    if maximum is not None and value > maximum:
+        _fail(key, f"must be at most {maximum}{unit}, got {_show(value)}")
 
 
 def _check_choice(definition: Mapping[str, Any], key: str, choices: tuple[str, ...]) -> None:

@@ -33,12 +33,17 @@ from ringq.names import name_problem
 from ringq.v1 import queue_pb2, queue_pb2_grpc
 from services.coordinator.client import CoordinatorClient
 from services.coordinator.metadata import QueueRecord
+from services.coordinator.policies import MAX_TTL_MS
 from services.queue.manager import QueueManager
 from services.queue.master import Delivery, PublishOutcome, QueueError, Settlement
 from services.queue.master import Publish as Outgoing
 from services.queue.replica import QueueReplica
 
 MAX_BODY_BYTES = 16 * 1024 * 1024
+# One PublishRequest carries at most this many messages (a batch; larger ones are several requests),
+# and each message at most MAX_HEADER_BYTES of header names and values together.
+MAX_MESSAGES_PER_PUBLISH = 10_000
+MAX_HEADER_BYTES = 64 * 1024
 # A Consume response carries the deliveries ready when it is sent: at most this many, of at most this
 # many body bytes in all unless it is a single delivery (a larger one goes alone, as it did before
 # responses carried batches), so a batch is never larger than one delivery may be.
@@ -604,7 +609,15 @@ def _publish_problem(request: queue_pb2.PublishRequest) -> str | None:
         return "queue must not be empty"
     if not request.messages:
         return "messages must not be empty"
+    if len(request.messages) > MAX_MESSAGES_PER_PUBLISH:
+        return f"a request carries {len(request.messages)} messages; at most {MAX_MESSAGES_PER_PUBLISH} are allowed"
     for index, message in enumerate(request.messages):
         if len(message.body) > MAX_BODY_BYTES:
             return f"messages[{index}].body has {len(message.body)} bytes; at most {MAX_BODY_BYTES} are allowed"
+        if message.expiration_ms > MAX_TTL_MS:
+            return f"messages[{index}].expiration_ms is {message.expiration_ms}; at most {MAX_TTL_MS} is allowed"
+        if message.headers:
+            header_bytes = sum(len(k.encode()) + len(v.encode()) for k, v in message.headers.items())
+            if header_bytes > MAX_HEADER_BYTES:
+                return f"messages[{index}].headers have {header_bytes} bytes; at most {MAX_HEADER_BYTES} are allowed"
     return None

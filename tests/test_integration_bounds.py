@@ -1,0 +1,70 @@
+"""Integration: the bounds on what one request may ask, on a live node. Each refused request gets
+INVALID_ARGUMENT naming the limit, adds nothing, and the queue goes on serving (an expiration of
+2^64-1 ms once wedged its queue: later publishes timed out)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+
+import grpc
+import pytest
+
+from ringq import aio
+from ringq.v1 import queue_pb2, queue_pb2_grpc
+from services import cluster
+from services.coordinator.policies import MAX_TTL_MS
+from services.queue.service import MAX_HEADER_BYTES, MAX_MESSAGES_PER_PUBLISH
+from tests.clusters import live_cluster
+
+pytestmark = pytest.mark.integration
+QUEUE = queue_pb2.QueueRef(queue="bounded")
+
+
+@pytest.fixture(scope="module")
+def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[cluster.ProcessInfo]:
+    with live_cluster(tmp_path_factory.mktemp("bounds") / "cluster", {}, nodes=1) as info:
+        yield info.nodes[0]
+
+
+async def _publish(address: str, *messages: queue_pb2.OutgoingMessage) -> queue_pb2.PublishResponse:
+    async with grpc.aio.insecure_channel(address) as channel:
+        call = queue_pb2_grpc.QueueServiceStub(channel).Publish(
+            iter([queue_pb2.PublishRequest(queue=QUEUE, publisher="p", messages=messages)])
+        )
+        async for response in call:
+            return response
+    raise AssertionError("no response")
+
+
+@pytest.mark.parametrize(
+    ("messages", "why"),
+    [
+        ([queue_pb2.OutgoingMessage(body=b"x", expiration_ms=2**64 - 1)], f"at most {MAX_TTL_MS} is allowed"),
+        ([queue_pb2.OutgoingMessage(body=b"x", expiration_ms=MAX_TTL_MS + 1)], f"at most {MAX_TTL_MS} is allowed"),
+        ([queue_pb2.OutgoingMessage()] * (MAX_MESSAGES_PER_PUBLISH + 1), f"at most {MAX_MESSAGES_PER_PUBLISH} are"),
+        (
+            [queue_pb2.OutgoingMessage(body=b"x", headers={"h": "v" * MAX_HEADER_BYTES})],
+            f"at most {MAX_HEADER_BYTES} are allowed",
+        ),
+    ],
+    ids=["expiration-2^64-1", "expiration-2^32", "too-many-messages", "headers-too-large"],
+)
+def test_a_request_past_a_bound_is_refused_and_the_queue_goes_on(
+    node: cluster.ProcessInfo, messages: list[queue_pb2.OutgoingMessage], why: str
+) -> None:
+    async def scenario() -> None:
+        async with aio.Connection([node.address], retry_for=5) as connection:
+            await connection.declare_queue(QUEUE.queue)
+            before = (await connection.queue_status(QUEUE.queue)).depth
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await _publish(node.address, *messages)
+            assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert why in (refused.value.details() or "")
+            assert (await connection.queue_status(QUEUE.queue)).depth == before, "nothing was added"
+            kept = queue_pb2.OutgoingMessage(body=b"kept", expiration_ms=MAX_TTL_MS)  # the bound itself is fine
+            response = await asyncio.wait_for(_publish(node.address, kept), 10)
+            assert list(response.outcomes) == [queue_pb2.PUBLISH_OUTCOME_CONFIRMED]
+            assert (await connection.queue_status(QUEUE.queue)).depth == before + 1
+
+    asyncio.run(scenario())
