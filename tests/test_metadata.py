@@ -277,3 +277,33 @@ def test_unproven_nodes_keep_their_replicas_but_get_no_new_one() -> None:
     assert set(done.written) == {short.key}
     metadata.place_queues(store, "", NODES)  # n3 has proven itself alive
     assert metadata.get_queue(store, "/", "all.struck").mirrors == ("n2", "n3")
+
+
+class _CountingStore(MemoryStore):
+    def __init__(self) -> None:
+        super().__init__()
+        self.queue_listings = 0
+
+    def list(self, kind: str) -> Any:
+        if kind == metadata.QUEUE:
+            self.queue_listings += 1
+        return super().list(kind)
+
+
+def test_declares_through_a_load_cache_list_the_queues_once_per_interval_and_still_balance() -> None:
+    """Found by review: each declare listed every queue to count the replica load, so declaring N queues
+    cost O(N^2): 10,000 stalled at 4,622 after 330 s."""
+    store, now = _CountingStore(), [0.0]
+    cache = metadata.ReplicaLoadCache(max_age_s=1.0, clock=lambda: now[0])
+    metadata.set_policy(
+        store, Policy(vhost="/", name="two", pattern=".*", definition={"ha-mode": "exactly", "ha-params": 2}), NODES
+    )
+    listed_before = store.queue_listings
+    for i in range(30):
+        metadata.declare_queue(store, QueueRecord("/", f"q{i}"), NODES, load_cache=cache)
+    assert store.queue_listings - listed_before == 1
+    load = metadata.replica_load(metadata.list_queues(store))
+    assert sorted(load.values()) == [20, 20, 20], "counted forward, the cache balanced as a fresh listing would"
+    now[0] = 1.0
+    metadata.declare_queue(store, QueueRecord("/", "late"), NODES, load_cache=cache)
+    assert store.queue_listings - listed_before == 3  # one listing by the test, one refresh

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, ParamSpec, TypeVar
 
 import grpc
@@ -35,7 +35,8 @@ from services.coordinator.convert import (
 from services.coordinator.leases import LeaseRefused
 from services.coordinator.metadata import Conflict, NotFound, QueueMismatch, QueueRecord
 from services.coordinator.placement import NoLiveNodes
-from services.coordinator.policies import PolicyError
+from services.coordinator.placement_passes import PlacementPasses
+from services.coordinator.policies import Policy, PolicyError
 from services.coordinator.store import Change, Store, StoreUnavailable
 from services.coordinator.watch import ChangeFeed, Resync
 
@@ -52,8 +53,13 @@ def now_ms() -> int:
 
 async def run_store(context: _Context, call: Callable[_P, _T], *args: _P.args, **kwargs: _P.kwargs) -> _T:
     """`call` in a worker thread, its failures mapped to gRPC statuses (see the module docstring)."""
+    return await mapped(context, asyncio.to_thread(call, *args, **kwargs))
+
+
+async def mapped(context: _Context, work: Awaitable[_T]) -> _T:
+    """`work`, its failures mapped to gRPC statuses (see the module docstring)."""
     try:
-        return await asyncio.to_thread(call, *args, **kwargs)
+        return await work
     except StoreUnavailable as error:
         await context.abort(grpc.StatusCode.UNAVAILABLE, f"the coordinator's store is unavailable: {error}")
     except NotFound as error:
@@ -78,11 +84,13 @@ async def require(context: _Context, **fields: str) -> None:
 
 
 class MetadataRpcs:
-    """The metadata half of CoordinatorService; needs `_store`, `_feed` and `_liveness_ms`."""
+    """The metadata half of CoordinatorService; needs `_store`, `_feed`, `_liveness_ms`, `_load_cache` and `_passes`."""
 
     _store: Store
     _feed: ChangeFeed
     _liveness_ms: int
+    _load_cache: metadata.ReplicaLoadCache
+    _passes: PlacementPasses
 
     # ------------------------------------------------------------------ nodes
 
@@ -129,21 +137,30 @@ class MetadataRpcs:
     async def SetPolicy(
         self, request: coordinator_pb2.SetPolicyRequest, context: _Context
     ) -> coordinator_pb2.SetPolicyResponse:
-        def set_it() -> tuple[Any, int]:
-            return metadata.set_policy(self._store, policy_from_proto(request.policy), self._live_nodes())
+        def save() -> Policy:
+            return metadata.save_policy(self._store, policy_from_proto(request.policy))  # both may refuse it
 
-        policy, changed = await run_store(context, set_it)
+        policy = await run_store(context, save)
+        changed = await self._apply_policies(context)
         return coordinator_pb2.SetPolicyResponse(policy=policy_to_proto(policy), queues_changed=changed)
+
+    async def _apply_policies(self, context: _Context) -> int:
+        """Re-apply the policies in a placement pass, shared with concurrent changes (so over every
+        vhost: the changes sharing it may be of several)."""
+
+        def apply() -> int:
+            return metadata.apply_policies(self._store, "", self._live_nodes())
+
+        return await mapped(context, self._passes.apply_policies(apply))
 
     async def ClearPolicy(
         self, request: coordinator_pb2.ClearPolicyRequest, context: _Context
     ) -> coordinator_pb2.ClearPolicyResponse:
         await require(context, name=request.name)
 
-        def clear() -> int:
-            return metadata.clear_policy(self._store, request.vhost or "/", request.name, self._live_nodes())
-
-        return coordinator_pb2.ClearPolicyResponse(queues_changed=await run_store(context, clear))
+        vhost = request.vhost or "/"
+        await run_store(context, metadata.delete_policy, self._store, vhost, request.name)
+        return coordinator_pb2.ClearPolicyResponse(queues_changed=await self._apply_policies(context))
 
     async def ListPolicies(
         self, request: coordinator_pb2.ListPoliciesRequest, context: _Context
@@ -167,7 +184,9 @@ class MetadataRpcs:
         )
 
         def declare() -> QueueRecord:
-            return metadata.declare_queue(self._store, declared, self._live_nodes(), request.preferred_master)
+            return metadata.declare_queue(
+                self._store, declared, self._live_nodes(), request.preferred_master, self._load_cache
+            )
 
         return coordinator_pb2.QueueRecordResponse(queue=queue_to_proto(await run_store(context, declare)))
 

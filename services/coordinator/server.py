@@ -32,6 +32,7 @@ from services.coordinator.convert import (
     outcome_to_proto,
 )
 from services.coordinator.metadata_service import COORDINATOR, MetadataRpcs, now_ms
+from services.coordinator.placement_passes import PlacementPasses
 from services.coordinator.placement_trigger import PlacementTrigger, RecordChange
 from services.coordinator.sqlite_store import SqliteStore
 from services.coordinator.store import MAX_KEY_LENGTH, Store, StoreUnavailable
@@ -105,7 +106,15 @@ async def _reject(context: _Context, problem: str | None) -> None:
 class CoordinatorServicer(MetadataRpcs, coordinator_pb2_grpc.CoordinatorServiceServicer):
     """Serves everything held by a `Store`: group tables and nodes here, the rest in MetadataRpcs."""
 
-    def __init__(self, store: Store, feed: ChangeFeed, liveness_ms: int = DEFAULT_LIVENESS_MS) -> None:
+    def __init__(
+        self,
+        store: Store,
+        feed: ChangeFeed,
+        liveness_ms: int = DEFAULT_LIVENESS_MS,
+        passes: PlacementPasses | None = None,
+    ) -> None:
+        self._load_cache = metadata.ReplicaLoadCache()
+        self._passes = passes if passes is not None else PlacementPasses()
         self._store = store
         self._feed = feed
         self._liveness_ms = liveness_ms
@@ -200,13 +209,15 @@ async def create_server(
     server = grpc.aio.server(options=SERVER_KEEPALIVE, interceptors=[RequestGuard()])
     feed = ChangeFeed(store)
     await feed.start()
-    coordinator_pb2_grpc.add_CoordinatorServiceServicer_to_server(CoordinatorServicer(store, feed, liveness_ms), server)
+    passes = PlacementPasses()
+    servicer = CoordinatorServicer(store, feed, liveness_ms, passes)
+    coordinator_pb2_grpc.add_CoordinatorServiceServicer_to_server(servicer, server)
     await _add_health_service(server)
     port = server.add_insecure_port(address)
     await server.start()
     advertised = f"{address.rsplit(':', 1)[0]}:{port}"
     _background.add(asyncio.ensure_future(_register_coordinator(store, advertised, liveness_ms)))
-    _background.add(asyncio.ensure_future(_keep_queues_placed(store, feed, liveness_ms)))
+    _background.add(asyncio.ensure_future(_keep_queues_placed(store, feed, liveness_ms, passes)))
     return server, port
 
 
@@ -223,7 +234,7 @@ async def _register_coordinator(store: Store, address: str, liveness_ms: int) ->
         await asyncio.sleep(liveness_ms / 3000)
 
 
-async def _keep_queues_placed(store: Store, feed: ChangeFeed, liveness_ms: int) -> None:
+async def _keep_queues_placed(store: Store, feed: ChangeFeed, liveness_ms: int, passes: PlacementPasses) -> None:
     """Policies applied live: re-place every queue when the placeable nodes change (a node joins,
     comes back, dies or drains), when queue records change (a master struck a mirror, a mirror was
     promoted), and when a struck node proves itself alive: services/coordinator/placement_trigger.py
@@ -241,7 +252,7 @@ async def _keep_queues_placed(store: Store, feed: ChangeFeed, liveness_ms: int) 
             await asyncio.wait_for(woken.wait(), tick_seconds)
         woken.clear()
         try:
-            elapsed_seconds = await _place_if_due(store, trigger, liveness_ms)
+            elapsed_seconds = await _place_if_due(store, trigger, liveness_ms, passes)
         except (StoreUnavailable, metadata.Conflict) as error:
             trigger.pass_failed()
             log.warning("cannot re-place queues yet: %s", error)
@@ -252,7 +263,7 @@ async def _keep_queues_placed(store: Store, feed: ChangeFeed, liveness_ms: int) 
             await asyncio.sleep(min(elapsed_seconds, tick_seconds))
 
 
-async def _place_if_due(store: Store, trigger: PlacementTrigger, liveness_ms: int) -> float:
+async def _place_if_due(store: Store, trigger: PlacementTrigger, liveness_ms: int, passes: PlacementPasses) -> float:
     """One placement pass if `trigger` says one is due; returns how long it took (0: none ran)."""
     nodes = await asyncio.to_thread(records.list_nodes, store)
     live = records.placeable(nodes, liveness_ms, now_ms())
@@ -262,7 +273,7 @@ async def _place_if_due(store: Store, trigger: PlacementTrigger, liveness_ms: in
     unproven = trigger.unproven_nodes(live, heartbeats)
     trigger.pass_starting(live, heartbeats)
     started = time.monotonic()
-    done = await asyncio.to_thread(metadata.place_queues, store, "", live, unproven)
+    done = await passes.run(lambda: metadata.place_queues(store, "", live, unproven))
     trigger.pass_finished(live, {key: (queue.version, queue.replicas) for key, queue in done.queues.items()})
     if done.written:
         waiting = f" ({', '.join(sorted(unproven))} not heard from since struck)" if unproven else ""
