@@ -17,6 +17,7 @@ Checked, against a 3-node cluster shared by the module (each test uses its own g
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import random
 import socket
@@ -421,12 +422,14 @@ def _random_frames(rng: random.Random, wanted: int) -> list[peer_pb2.PeerFrame]:
     raise AssertionError(f"only {len(frames)} random byte strings parsed as PeerFrames")
 
 
-def _random_kind_frames(rng: random.Random, wanted: int) -> list[peer_pb2.PeerFrame]:
+def _random_kind_frames(
+    rng: random.Random, wanted: int, kinds: tuple[str, ...] = ("hello", "heartbeat", "ring_message")
+) -> list[peer_pb2.PeerFrame]:
     """`wanted` PeerFrames of a random kind whose content is parsed from random bytes."""
     frames: list[peer_pb2.PeerFrame] = []
     for _ in range(200_000):
         frame = peer_pb2.PeerFrame(protocol_major=rng.choice([0, PROTOCOL_MAJOR, PROTOCOL_MAJOR + 1]))
-        kind = rng.choice(["hello", "heartbeat", "ring_message", "fragment"])
+        kind = rng.choice(kinds)
         try:
             getattr(frame, kind).ParseFromString(rng.randbytes(rng.randint(0, 64)))
         except Exception:  # protobuf's DecodeError
@@ -508,11 +511,7 @@ async def _hostile_traffic(info: cluster.ClusterInfo) -> None:
         newer = _ring_frame(sender="intruder.d", activity=peer_pb2.Activity(publishers=[forged]), **to_b)
         newer.protocol_major = 99
         await link.send(newer)
-        # (e) Fragments out of order, past their count, and of no count.
-        for message_id, index, count in ((7, 1, 2), (8, 3, 3), (9, 0, 0)):
-            fragment = peer_pb2.Fragment(message_id=message_id, index=index, count=count, chunk=b"\x0a\x01x")
-            await link.send(peer_pb2.PeerFrame(protocol_major=PROTOCOL_MAJOR, fragment=fragment))
-        # ... after which a well-formed fragmented message is reassembled again (and refused as malformed).
+        # (e) A well-formed fragmented message is reassembled (and refused as malformed).
         big_state = peer_pb2.PublisherState(
             publisher="recovered", last_pub=1, last_ack=2, pending_first_seq=1, pending=[rng.randbytes(150_000)]
         )
@@ -537,6 +536,21 @@ async def _hostile_traffic(info: cluster.ClusterInfo) -> None:
         assert link.heartbeats > heartbeats, "node2 stopped heartbeating on the link"
         assert await link.finish() == grpc.StatusCode.OK
 
+        # Fragments out of order, past their count, and of no count: the node closes the link carrying
+        # them (skipping a frame would put the ring out of order; a new link makes members catch up).
+        for message_id, index, count in ((7, 1, 2), (8, 3, 3), (9, 0, 0)):
+            broken = await RawLink.open(stub, "intruder", f"broken-{message_id}")
+            fragment = peer_pb2.Fragment(message_id=message_id, index=index, count=count, chunk=b"\x0a\x01x")
+            await broken.send(peer_pb2.PeerFrame(protocol_major=PROTOCOL_MAJOR, fragment=fragment))
+            await asyncio.wait_for(broken.ended.wait(), WAIT)
+        # ... and random fragments, each on a link of its own: closed by the node, or kept, never fatal.
+        for frame in _random_kind_frames(rng, 30, kinds=("fragment",)):
+            single = await RawLink.open(stub, "intruder", "fuzzed-fragment")
+            with contextlib.suppress(grpc.aio.AioRpcError, asyncio.InvalidStateError):
+                await single.send(frame)
+                await single.finish()
+            await asyncio.wait_for(single.ended.wait(), WAIT)
+
         # Each bad frame was refused at the right place, and logged.
         expected = [
             "dropping a malformed ring message from intruder: ring message without a body",
@@ -544,9 +558,9 @@ async def _hostile_traffic(info: cluster.ClusterInfo) -> None:
             "dropping a malformed ring message from intruder: malformed activity entry for 'ghost-c'",
             "dropping a malformed ring message from intruder: malformed catchup entry for 'ghost-catchup'",
             "dropping a frame of protocol 99 from intruder",
-            "dropping a fragmented message from intruder: fragment 1 of message 7 out of order",
-            "dropping a fragmented message from intruder: fragment 3 of 3",
-            "dropping a fragmented message from intruder: fragment 0 of 0",
+            "closing the link from intruder: fragment 1 of message 7 out of order",
+            "closing the link from intruder: fragment 3 of 3",
+            "closing the link from intruder: fragment 0 of 0",
             "dropping a malformed ring message from intruder: malformed catchup entry for 'recovered'",
             "dropping an unreadable message from intruder",
         ]

@@ -9,7 +9,8 @@ silent (the failure detector's input).
 Guarantees:
 - At most one stream per pair is active. If both nodes dial at once (each
   waiting for the other's Hello), the dial of the node whose id sorts first
-  wins; the other is refused. A dial loop between attempts refuses nothing.
+  wins; the other is refused. A dial loop between attempts, or a dial stuck
+  for longer than a tie takes (TIE_BREAK_SECONDS), refuses nothing.
   A dial from a peer we hold a stream with replaces that stream: a node dials
   only when it has none, so ours is dead at its end (it restarted, or gave the
   stream up during a partition that has healed).
@@ -42,6 +43,9 @@ PROTOCOL_MINOR = 0
 GRPC_MAX_MESSAGE_BYTES = 8 * 1024 * 1024
 # How long a dial waits for the peer's Hello (the write of ours included).
 HELLO_TIMEOUT_SECONDS = 5.0
+# A dial of ours that has waited this long for the peer's Hello no longer refuses the peer's own dial:
+# two dials crossing get their Hellos within it; an older one is stuck (in TCP's connect, say).
+TIE_BREAK_SECONDS = 1.0
 # How often a link that stays down while wanted is noted in the log.
 SLOW_DIAL_NOTE_SECONDS = 5.0
 CHANNEL_OPTIONS = [
@@ -74,9 +78,9 @@ class _Link:
         self.last_heard = now
         self.active = False
         self.dialing = False
-        # True while one of our dials waits for the peer's Hello (not while the dial loop sleeps
-        # between attempts): only then does the dial tie-break refuse the peer's own dial.
-        self.hello_pending = False
+        # When one of our dials began waiting for the peer's Hello (None while none does, as while the
+        # dial loop sleeps between attempts): only a fresh one makes the tie-break refuse the peer's dial.
+        self.hello_pending_since: float | None = None
         self.wanted = False
         self.streams = 0
         self.peer_incarnation = ""
@@ -235,7 +239,7 @@ class LinkManager:
         # Called without a request iterator: the stream is driven by write()/read().
         open_link: Any = stub.Link
         call = open_link()
-        link.hello_pending = True
+        link.hello_pending_since = self.clock()
         try:
             hello = frame(hello=peer_pb2.Hello(node=self.node, incarnation=self.incarnation))
             # Bounded as a whole: while it lasts the peer's own dial is refused (the tie-break).
@@ -244,7 +248,7 @@ class LinkManager:
             call.cancel()
             raise
         finally:
-            link.hello_pending = False
+            link.hello_pending_since = None
         if answer is _EOF or answer.WhichOneof("kind") != "hello" or answer.hello.node != link.peer:
             call.cancel()
             raise ConnectionError(f"{link.peer} did not accept the link")
@@ -267,10 +271,18 @@ class LinkManager:
         if hello.node == self.node:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a node cannot link to itself")
         link = self._link(hello.node)
-        if link.hello_pending and self.node < hello.node and not link.active:
+        pending = link.hello_pending_since
+        if (
+            pending is not None
+            and self.clock() - pending < TIE_BREAK_SECONDS
+            and self.node < hello.node
+            and not link.active
+        ):
             # Both dials are in flight: ours wins. A dial loop merely waiting out its backoff (its
             # channel to a restarted peer may fail fast for up to a second) must not refuse the
             # peer's dial: the link would stay down meanwhile and each side find the other silent.
+            # Nor may a dial that has waited longer than a tie takes (one begun during a partition
+            # waits out TCP's connect while the peer, healed, dials us): the peer's dial is let in.
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"{self.node} is dialling {hello.node}")
         if link.active and link.stop_stream is not None:
             # A peer dials only when it has no stream with us: the one we hold is dead at its end (it
