@@ -19,12 +19,14 @@ def test_demo_runs_through_a_master_kill_and_reports_nothing_lost(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.chdir(tmp_path.parent)
-    assert demo.main(["--seconds", "4", "--dir", tmp_path.name]) == 0  # relative, as `make demo` gives it
+    code = demo.main(["--seconds", "4", "--dir", tmp_path.name])  # relative, as `make demo` gives it
     out = capsys.readouterr().out
+    assert code == 0, out[-3000:]
     assert "SIGKILL" in out and "promotion:" in out, out[-2000:]
     summary = json.loads((tmp_path / "report" / "summary.json").read_text())
-    assert summary["lost"] == summary["duplicates"] == summary["order_violations"] == 0
-    assert summary["confirmed"] > 1000 and summary["delivered"] == summary["confirmed"]
+    figures = {k: summary[k] for k in ("lost", "duplicates", "order_violations", "confirmed", "delivered")}
+    assert summary["lost"] == summary["duplicates"] == summary["order_violations"] == 0, figures
+    assert summary["confirmed"] > 1000 and summary["delivered"] == summary["confirmed"], figures
     assert summary["failover"], "the fault is in the report"
     assert summary["traced"] > 0, "the nodes' spans were read (regression: a relative --trace-dir went astray)"
     assert {"publish → enqueue", "ring hop"} <= {s["label"] for s in summary["stages"]}, summary["stages"]
