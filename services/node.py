@@ -213,6 +213,9 @@ class Node:
         member_id = f"{self.id}.{uuid.uuid4().hex[:12]}"
         member = MemberShell(self, RingMember(group, member_id, self.id), events)
         self.members[group] = member
+        # A stopped member is forgotten at once: nothing routes to it, and what its events reach (a
+        # deleted queue's replica and its messages) can be freed.
+        member.add_finished_callback(lambda: self.forget(member))
         member.start()
         return member
 
@@ -325,30 +328,33 @@ class Node:
                 member.post(lambda core: core.resend_catchup())
 
     async def _detect_failures(self) -> None:
-        settings = self.settings
         while True:
-            await asyncio.sleep(settings.heartbeat_interval / 2)
-            suspects: set[tuple[str, str]] = set()
-            for member in list(self.members.values()):
-                for watched in member.watched():
-                    if watched.node != self.id and self._suspicion(watched) is not None:
-                        suspects.add((member.id, watched.member))
-            self._reported &= suspects
-            now = time.monotonic()
-            for member in list(self.members.values()):
-                quiet_since = max(member.last_ring_input, member.last_membership_check)
-                # The group watch tells members of new views; this check is the
-                # fallback for when it is down (or missed something).
-                check_every = settings.membership_check or settings.failure_timeout
-                quiet_for = check_every * (QUIET_CHECKS_WHILE_WATCHING if self.watching_groups else 1)
-                if member.stopped is None and member.joined.is_set() and now - quiet_since > quiet_for:
-                    member.last_membership_check = now
-                    member.post(lambda core: core.check_membership())
-            for member_id, suspect in suspects - self._reported:
-                self._reported.add((member_id, suspect))
-                task = asyncio.ensure_future(self._report_after_grace(member_id, suspect))
-                self._tasks.add(task)
-                task.add_done_callback(self._tasks.discard)
+            await asyncio.sleep(self.settings.heartbeat_interval / 2)
+            self._detect_failures_once()  # a function of its own: no member outlives a pass in its locals
+
+    def _detect_failures_once(self) -> None:
+        settings = self.settings
+        suspects: set[tuple[str, str]] = set()
+        for member in list(self.members.values()):
+            for watched in member.watched():
+                if watched.node != self.id and self._suspicion(watched) is not None:
+                    suspects.add((member.id, watched.member))
+        self._reported &= suspects
+        now = time.monotonic()
+        for member in list(self.members.values()):
+            quiet_since = max(member.last_ring_input, member.last_membership_check)
+            # The group watch tells members of new views; this check is the
+            # fallback for when it is down (or missed something).
+            check_every = settings.membership_check or settings.failure_timeout
+            quiet_for = check_every * (QUIET_CHECKS_WHILE_WATCHING if self.watching_groups else 1)
+            if member.stopped is None and member.joined.is_set() and now - quiet_since > quiet_for:
+                member.last_membership_check = now
+                member.post(lambda core: core.check_membership())
+        for member_id, suspect in suspects - self._reported:
+            self._reported.add((member_id, suspect))
+            task = asyncio.ensure_future(self._report_after_grace(member_id, suspect))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
 
     def _suspicion(self, watched: Watched) -> str | None:
         """Why `watched`'s node is suspected (the evidence), or None: silent for the failure

@@ -140,6 +140,7 @@ class MemberShell:
         self._confirmed_through = 0
         self._add_replies: dict[str, asyncio.Future[Group | None]] = {}
         self._joining_since: float | None = None
+        self._finished_callbacks: list[Callable[[], None]] = []
         self._join_noted_at = 0.0
         self._join_attempts = 0
         self._calls: set[asyncio.Future[tuple[int, list[Action]]]] = set()
@@ -387,6 +388,13 @@ class MemberShell:
             self.join_request = None
             self.host.neighbours_changed()
 
+    def add_finished_callback(self, callback: Callable[[], None]) -> None:
+        """Call `callback` once the member has stopped (at once if it has)."""
+        if self.stopped is not None:
+            callback()
+        else:
+            self._finished_callbacks.append(callback)
+
     def _finish(self, stopped: Stopped) -> None:
         if self.stopped is not None:
             return
@@ -407,6 +415,9 @@ class MemberShell:
         self.events(stopped)
         self._done.set()
         self.host.neighbours_changed()
+        callbacks, self._finished_callbacks = self._finished_callbacks, []
+        for callback in callbacks:
+            callback()
 
 
 def _log_write(group: str, write: WriteGroup, outcome: Outcome, written: Group) -> None:

@@ -123,9 +123,12 @@ class QueueManager:
             await asyncio.sleep(0.2)
 
     async def _drop_key(self, key: str) -> None:
+        """The queue was deleted: stop its replica here and forget everything kept for it."""
         for queue_key, replica in list(self.replicas.items()):
             if replica.record.key == key:
                 del self.replicas[queue_key]
+                for kept in (self.masters, self._started_at, self._recreate_after):
+                    kept.pop(queue_key, None)
                 await replica.stop()
 
     async def ensure(self, record: QueueRecord) -> QueueReplica | None:
