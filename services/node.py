@@ -45,14 +45,15 @@ from services.arguments import OneLineParser, address_argument, addresses_argume
 from services.coordinator.client import CoordinatorClient
 from services.coordinator.convert import group_from_proto, group_to_proto
 from services.coordinator.group_table import Group, GroupChange, Outcome
-from services.coordinator.records import DiskReport
+from services.coordinator.records import DiskReport, MemoryReport
 from services.coordinator.server import group_name_problem
 from services.disk_monitor import MEBIBYTE, DiskMonitor
 from services.gm import wire
-from services.gm.links import CHANNEL_OPTIONS, LinkManager
+from services.gm.links import LinkManager, channel_options
 from services.gm.member import MemberEvent, MemberShell, NotHosted, Watched
 from services.gm.messages import Deliver, Joined, MembersChanged, RingMessage, Stopped
 from services.gm.ring import NotJoined, RingMember
+from services.memory_monitor import DEFAULT_WATERMARK_SHARE, MemoryMonitor, default_watermark_bytes
 from services.queue.manager import QueueManager
 from services.queue.service import QueueServicer
 from services.request_guard import RequestGuard
@@ -78,10 +79,17 @@ _MESSAGE_LIMITS = ("grpc.max_send_message_length", "grpc.max_receive_message_len
 # Channels to other nodes for what is not a ring link (queue calls relayed to a master, AddOnRight):
 # they carry whole client messages, so the server's limits, not the ring's fragment-sized ones; and
 # they reconnect as quickly as ring links after a peer restarts (gRPC's default backoff reaches minutes).
-PEER_CHANNEL_OPTIONS = [
-    *((name, value) for name, value in CHANNEL_OPTIONS if name not in _MESSAGE_LIMITS),
-    *((name, MAX_GRPC_MESSAGE_BYTES) for name in _MESSAGE_LIMITS),
-]
+
+
+def peer_channel_options(failure_timeout: float) -> list[tuple[str, int]]:
+    """Channels for peer calls other than links (AddOnRight, relayed queue calls): the links' reconnect
+    options, with the larger message limit of relayed queue calls."""
+    return [
+        *((name, value) for name, value in channel_options(failure_timeout) if name not in _MESSAGE_LIMITS),
+        *((name, MAX_GRPC_MESSAGE_BYTES) for name in _MESSAGE_LIMITS),
+    ]
+
+
 # AddOnRight statuses that are no answer from the node (its channel could not reach it in time):
 # the request is asked again; anything else came from the node, which therefore lives.
 NO_ANSWER_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED})
@@ -118,6 +126,9 @@ class NodeSettings:
     # Below this many free bytes on data_dir's disk the node raises its disk alarm and blocks
     # persistent publishes (0: never; services/disk_monitor.py).
     disk_free_limit_bytes: int = DEFAULT_DISK_FREE_LIMIT_MB * MEBIBYTE
+    # At or above this much resident memory the node raises its memory alarm and stops reading publish
+    # streams, which blocks publishers (0: never; services/memory_monitor.py).
+    memory_high_watermark_bytes: int = default_watermark_bytes()
 
 
 class Node:
@@ -138,6 +149,7 @@ class Node:
             self._on_reconnect,
             heartbeat_interval=settings.heartbeat_interval,
             forget_address=self.forget_address,
+            options=channel_options(settings.failure_timeout),
         )
         self.members: dict[str, MemberShell] = {}  # by group
         self._addresses: dict[str, str] = {}
@@ -148,6 +160,8 @@ class Node:
         self._tasks: set[asyncio.Future[None]] = set()
         # The disk-free alarm: the queue service blocks persistent publishes while disk.alarm is on.
         self.disk = DiskMonitor(node_id, settings.data_dir, settings.disk_free_limit_bytes)
+        # The memory alarm: the queue service stops reading publish streams while memory.alarm is on.
+        self.memory = MemoryMonitor(node_id, settings.memory_high_watermark_bytes)
 
     # -------------------------------------------------------------- lifecycle
 
@@ -156,6 +170,8 @@ class Node:
         self._detector = asyncio.ensure_future(self._detect_failures())
         await self.disk.measure()  # so the first heartbeat reports the disk
         self._tasks.add(asyncio.ensure_future(self.disk.run()))
+        self.memory.measure()
+        self._tasks.add(asyncio.ensure_future(self.memory.run()))
         self._tasks.add(asyncio.ensure_future(self._heartbeat()))
         self._tasks.add(asyncio.ensure_future(self._watch_groups()))
 
@@ -185,11 +201,12 @@ class Node:
 
     async def _heartbeat(self) -> None:
         """Tell the coordinator this node is alive (it places replicas on live nodes only) and how
-        its disk is (ringqctl cluster_status shows it)."""
+        its disk and memory are (ringqctl cluster_status shows them)."""
         while True:
             disk = DiskReport(self.disk.free_bytes, self.disk.limit_bytes, self.disk.alarm)
+            memory = MemoryReport(self.memory.used_bytes, self.memory.watermark_bytes, self.memory.alarm)
             try:
-                await self.coordinator.node_heartbeat(self.id, disk)
+                await self.coordinator.node_heartbeat(self.id, disk, memory)
             except grpc.aio.AioRpcError as error:
                 log.warning("heartbeat to the coordinator failed: %s", error.code().name)
             await asyncio.sleep(HEARTBEAT_TO_COORDINATOR_SECONDS)
@@ -305,7 +322,9 @@ class Node:
     def peer_channel(self, address: str) -> grpc.aio.Channel:
         channel = self._peer_channels.get(address)
         if channel is None:
-            channel = self._peer_channels[address] = grpc.aio.insecure_channel(address, options=PEER_CHANNEL_OPTIONS)
+            channel = self._peer_channels[address] = grpc.aio.insecure_channel(
+                address, options=peer_channel_options(self.settings.failure_timeout)
+            )
         return channel
 
     def _on_ring_message(self, peer: str, message: Any) -> None:
@@ -549,7 +568,7 @@ async def serve(
     group_pb2_grpc.add_GroupServiceServicer_to_server(GroupServicer(node), server)
     peer_pb2_grpc.add_PeerServiceServicer_to_server(PeerServicer(node), server)
     queues = QueueManager(node, client, settings.data_dir, settings.recovery_wait)
-    queue_servicer = QueueServicer(node.id, queues, client, node.address_of, node.peer_channel)
+    queue_servicer = QueueServicer(node.id, queues, client, node.address_of, node.peer_channel, node.memory.wait_clear)
     queue_pb2_grpc.add_QueueServiceServicer_to_server(queue_servicer, server)
     await server.start()
     await node.start()
@@ -579,8 +598,8 @@ def _millis(value: str) -> float:
     return millis / 1000.0
 
 
-def _disk_free_limit(value: str) -> int:
-    """--disk-free-limit-mb: whole MiB from 0 (no limit) to MAX_DISK_FREE_LIMIT_MB, as bytes."""
+def _mebibytes_flag(value: str) -> int:
+    """--disk-free-limit-mb, --memory-high-watermark-mb: whole MiB from 0 (off) to MAX_DISK_FREE_LIMIT_MB, as bytes."""
     try:
         mebibytes = int(value)
     except ValueError:
@@ -630,10 +649,17 @@ def parser() -> argparse.ArgumentParser:
     )
     out.add_argument(
         "--disk-free-limit-mb",
-        type=_disk_free_limit,
+        type=_mebibytes_flag,
         default=str(defaults.disk_free_limit_bytes // MEBIBYTE),
         help="raise the disk alarm, which blocks persistent publishes, while the data directory's disk has "
         f"fewer MiB free than this (default {DEFAULT_DISK_FREE_LIMIT_MB}; 0: never)",
+    )
+    out.add_argument(
+        "--memory-high-watermark-mb",
+        type=_mebibytes_flag,
+        default=str(defaults.memory_high_watermark_bytes // MEBIBYTE),
+        help="raise the memory alarm, which blocks publishers (consumers go on), while the node's resident "
+        f"memory is at or above this many MiB (default {DEFAULT_WATERMARK_SHARE:.0%} of the machine's; 0: never)",
     )
     out.add_argument(
         "--trace-dir",
@@ -661,6 +687,7 @@ def main(argv: list[str] | None = None) -> int:
         data_dir=args.data_dir or os.path.join("data", args.id),
         recovery_wait=args.recovery_wait_ms,
         disk_free_limit_bytes=args.disk_free_limit_mb,
+        memory_high_watermark_bytes=args.memory_high_watermark_mb,
     )
     tracing.configure("ringq-node", args.id, args.trace_dir)
     try:

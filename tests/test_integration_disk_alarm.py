@@ -31,7 +31,9 @@ def test_a_node_below_its_disk_free_limit_shows_the_alarm(tmp_path: Path) -> Non
         assert int(node["disk_free_limit_bytes"]) == limit_mb * MEBIBYTE  # 64-bit counts are JSON strings
         assert 0 < int(node["disk_free_bytes"]) < limit_mb * MEBIBYTE
         header, row = ok(info, "cluster_status").splitlines()[:2]
-        assert header.endswith("disk free  disk limit  disk alarm"), header
-        assert row.startswith("node1") and row.split()[-4:] == ["MiB", str(limit_mb), "MiB", "ALARM"], row
+        assert "disk free  disk limit  disk alarm  memory used  memory watermark  memory alarm" in header, header
+        cells = row.split()
+        assert row.startswith("node1") and cells[-9:-5] == ["MiB", str(limit_mb), "MiB", "ALARM"], row
+        assert cells[-1] == "no", "no memory alarm"
     finally:
         cluster.down(directory)

@@ -152,3 +152,12 @@ def test_a_dial_to_an_address_that_never_answers_does_not_keep_refusing_the_peer
             silent.close()
 
     asyncio.run(asyncio.wait_for(scenario(), 30))
+
+
+def test_a_channel_backs_off_for_at_most_a_quarter_of_the_failure_timeout() -> None:
+    """Found by CI: with a 600 ms failure timeout, node2's channel to a restarted node1 was still in its
+    up-to-1.2 s reconnect backoff when node2 joined through node1's new member; node1 stayed silent past
+    the timeout and its live member was recorded dead."""
+    assert dict(links.channel_options(0.6))["grpc.max_reconnect_backoff_ms"] == 150
+    assert dict(links.channel_options(10.0))["grpc.max_reconnect_backoff_ms"] == links.MAX_RECONNECT_BACKOFF_MS
+    assert dict(links.channel_options(0.01))["grpc.max_reconnect_backoff_ms"] == 50

@@ -29,7 +29,7 @@ from services.coordinator.convert import (
 )
 from services.coordinator.group_table import Group, GroupChange, Outcome
 from services.coordinator.metadata import QueueRecord
-from services.coordinator.records import NO_DISK_REPORT, DiskReport
+from services.coordinator.records import NO_DISK_REPORT, NO_MEMORY_REPORT, DiskReport, MemoryReport
 
 _Req = TypeVar("_Req")
 _Resp = TypeVar("_Resp")
@@ -115,10 +115,18 @@ class CoordinatorClient:
         response = await self._call(lambda stub: stub.ListNodes, coordinator_pb2.ListNodesRequest())
         return [(record.node, record.address) for record in response.nodes]
 
-    async def node_heartbeat(self, node: str, disk: DiskReport = NO_DISK_REPORT) -> None:
-        """Prove `node` alive and report its disk (what `disk` leaves as None is not sent)."""
+    async def node_heartbeat(
+        self, node: str, disk: DiskReport = NO_DISK_REPORT, memory: MemoryReport = NO_MEMORY_REPORT
+    ) -> None:
+        """Prove `node` alive and report its disk and memory (what a report leaves as None is not sent)."""
         request = coordinator_pb2.NodeHeartbeatRequest(
-            node=node, disk_free_bytes=disk.free_bytes, disk_free_limit_bytes=disk.limit_bytes, disk_alarm=disk.alarm
+            node=node,
+            disk_free_bytes=disk.free_bytes,
+            disk_free_limit_bytes=disk.limit_bytes,
+            disk_alarm=disk.alarm,
+            memory_used_bytes=memory.used_bytes,
+            memory_high_watermark_bytes=memory.watermark_bytes,
+            memory_alarm=memory.alarm,
         )
         await self._call(lambda stub: stub.NodeHeartbeat, request)
 

@@ -18,7 +18,7 @@ from services.coordinator.group_table import (
 from services.coordinator.leases import Lease
 from services.coordinator.metadata import QueueRecord
 from services.coordinator.policies import Policy, parse_definition
-from services.coordinator.records import DiskReport, NodeRecord
+from services.coordinator.records import DiskReport, MemoryReport, NodeRecord
 
 ChangeRequest = (
     coordinator_pb2.CreateGroupRequest
@@ -120,6 +120,9 @@ def node_to_proto(node: NodeRecord, alive: bool) -> coordinator_pb2.NodeRecord:
         disk_free_bytes=node.disk.free_bytes,
         disk_free_limit_bytes=node.disk.limit_bytes,
         disk_alarm=node.disk.alarm,
+        memory_used_bytes=node.memory.used_bytes,
+        memory_high_watermark_bytes=node.memory.watermark_bytes,
+        memory_alarm=node.memory.alarm,
     )
 
 
@@ -129,6 +132,15 @@ def disk_report_from_heartbeat(request: coordinator_pb2.NodeHeartbeatRequest) ->
         request.disk_free_bytes if request.HasField("disk_free_bytes") else None,
         request.disk_free_limit_bytes if request.HasField("disk_free_limit_bytes") else None,
         request.disk_alarm,
+    )
+
+
+def memory_report_from_heartbeat(request: coordinator_pb2.NodeHeartbeatRequest) -> MemoryReport:
+    """The memory report a heartbeat carries; what it leaves out stays unknown (the alarm: off)."""
+    return MemoryReport(
+        request.memory_used_bytes if request.HasField("memory_used_bytes") else None,
+        request.memory_high_watermark_bytes if request.HasField("memory_high_watermark_bytes") else None,
+        request.memory_alarm,
     )
 
 

@@ -26,6 +26,7 @@ from services.coordinator.convert import (
     disk_report_from_heartbeat,
     group_to_proto,
     lease_to_proto,
+    memory_report_from_heartbeat,
     node_to_proto,
     policy_from_proto,
     policy_to_proto,
@@ -106,8 +107,8 @@ class MetadataRpcs:
         self, request: coordinator_pb2.NodeHeartbeatRequest, context: _Context
     ) -> coordinator_pb2.NodeHeartbeatResponse:
         await require(context, node=request.node)
-        disk = disk_report_from_heartbeat(request)
-        await run_store(context, records.node_heartbeat, self._store, request.node, now_ms(), disk)
+        disk, memory = disk_report_from_heartbeat(request), memory_report_from_heartbeat(request)
+        await run_store(context, records.node_heartbeat, self._store, request.node, now_ms(), disk, memory)
         return coordinator_pb2.NodeHeartbeatResponse()
 
     async def SetNodeDraining(

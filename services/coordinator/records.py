@@ -5,8 +5,9 @@ every read-modify-write on them as a compare-and-set on the record version:
 
     kind "group"      key: group name  value {"members": [{"id", "node", "alive"}, ...]}
     kind "node"       key: node id     value {"address", "draining"}
-    kind "heartbeat"  key: node id     value {"at_unix_ms", "disk_alarm",
-                                             "disk_free_bytes"?, "disk_free_limit_bytes"?}
+    kind "heartbeat"  key: node id     value {"at_unix_ms", "disk_alarm", "memory_alarm",
+                                             "disk_free_bytes"?, "disk_free_limit_bytes"?,
+                                             "memory_used_bytes"?, "memory_high_watermark_bytes"?}
 
 Heartbeats are their own kind so that watchers of "node" records (membership,
 addresses, draining) are not woken by every heartbeat. A heartbeat carries the
@@ -94,6 +95,18 @@ NO_DISK_REPORT = DiskReport()
 
 
 @dataclass(frozen=True)
+class MemoryReport:
+    """What a node's heartbeat says of its memory (None: not said)."""
+
+    used_bytes: int | None = None
+    watermark_bytes: int | None = None
+    alarm: bool = False
+
+
+NO_MEMORY_REPORT = MemoryReport()
+
+
+@dataclass(frozen=True)
 class NodeRecord:
     """A registered broker node, with its last heartbeat (None if never heard) and disk report."""
 
@@ -102,6 +115,7 @@ class NodeRecord:
     draining: bool = False
     last_heartbeat_unix_ms: int | None = None
     disk: DiskReport = NO_DISK_REPORT
+    memory: MemoryReport = NO_MEMORY_REPORT
 
 
 def register_node(store: Store, node: str, address: str) -> None:
@@ -128,14 +142,24 @@ def set_node_draining(store: Store, node: str, draining: bool) -> bool:
             return True
 
 
-def node_heartbeat(store: Store, node: str, at_unix_ms: int, disk: DiskReport = NO_DISK_REPORT) -> None:
-    """Record that `node` was heard from at `at_unix_ms`, its disk as `disk` says (an older time than
-    the recorded one is ignored, with its report)."""
-    value: dict[str, int | bool] = {"at_unix_ms": at_unix_ms, "disk_alarm": disk.alarm}
-    if disk.free_bytes is not None:
-        value["disk_free_bytes"] = disk.free_bytes
-    if disk.limit_bytes is not None:
-        value["disk_free_limit_bytes"] = disk.limit_bytes
+def node_heartbeat(
+    store: Store,
+    node: str,
+    at_unix_ms: int,
+    disk: DiskReport = NO_DISK_REPORT,
+    memory: MemoryReport = NO_MEMORY_REPORT,
+) -> None:
+    """Record that `node` was heard from at `at_unix_ms`, its disk and memory as the reports say (an
+    older time than the recorded one is ignored, with its reports)."""
+    value: dict[str, int | bool] = {"at_unix_ms": at_unix_ms, "disk_alarm": disk.alarm, "memory_alarm": memory.alarm}
+    for key, figure in (
+        ("disk_free_bytes", disk.free_bytes),
+        ("disk_free_limit_bytes", disk.limit_bytes),
+        ("memory_used_bytes", memory.used_bytes),
+        ("memory_high_watermark_bytes", memory.watermark_bytes),
+    ):
+        if figure is not None:
+            value[key] = figure
     while True:
         record = store.get(HEARTBEAT, node)
         if record is not None and int(record.value["at_unix_ms"]) >= at_unix_ms:
@@ -173,6 +197,7 @@ def list_nodes(store: Store) -> list[NodeRecord]:
                 bool(record.value.get("draining", False)),
                 int(beat["at_unix_ms"]) if beat is not None else None,
                 _disk_report(beat) if beat is not None else NO_DISK_REPORT,
+                _memory_report(beat) if beat is not None else NO_MEMORY_REPORT,
             )
         )
     return nodes
@@ -184,6 +209,15 @@ def _disk_report(beat: Mapping[str, Any]) -> DiskReport:
         int(free) if free is not None else None,
         int(limit) if limit is not None else None,
         bool(beat.get("disk_alarm", False)),
+    )
+
+
+def _memory_report(beat: Mapping[str, Any]) -> MemoryReport:
+    used, watermark = beat.get("memory_used_bytes"), beat.get("memory_high_watermark_bytes")
+    return MemoryReport(
+        int(used) if used is not None else None,
+        int(watermark) if watermark is not None else None,
+        bool(beat.get("memory_alarm", False)),
     )
 
 

@@ -48,14 +48,29 @@ HELLO_TIMEOUT_SECONDS = 5.0
 TIE_BREAK_SECONDS = 1.0
 # How often a link that stays down while wanted is noted in the log.
 SLOW_DIAL_NOTE_SECONDS = 5.0
-CHANNEL_OPTIONS = [
-    ("grpc.max_send_message_length", GRPC_MAX_MESSAGE_BYTES),
-    ("grpc.max_receive_message_length", GRPC_MAX_MESSAGE_BYTES),
-    # Reconnect quickly after a peer restarts; gRPC's default backoff reaches minutes.
-    ("grpc.initial_reconnect_backoff_ms", 50),
-    ("grpc.max_reconnect_backoff_ms", 1000),
-    *CHANNEL_KEEPALIVE,
-]
+# The longest a channel waits between attempts to reach a peer that went away; shorter for a node
+# with a short failure timeout (channel_options), so a peer that comes back is reached well within it.
+MAX_RECONNECT_BACKOFF_MS = 1000
+
+
+def channel_options(failure_timeout: float | None = None) -> list[tuple[str, int]]:
+    """Options of a channel to a peer node. Reconnect quickly after a peer restarts (gRPC's default
+    backoff reaches minutes): at most MAX_RECONNECT_BACKOFF_MS between attempts, and at most a quarter
+    of `failure_timeout`, or a channel still backing off when its peer came back would leave the peer
+    silent past the failure timeout (gRPC adds up to 20 % of jitter)."""
+    longest = MAX_RECONNECT_BACKOFF_MS
+    if failure_timeout is not None:
+        longest = max(50, min(longest, int(failure_timeout * 1000 / 4)))
+    return [
+        ("grpc.max_send_message_length", GRPC_MAX_MESSAGE_BYTES),
+        ("grpc.max_receive_message_length", GRPC_MAX_MESSAGE_BYTES),
+        ("grpc.initial_reconnect_backoff_ms", min(50, longest)),
+        ("grpc.max_reconnect_backoff_ms", longest),
+        *CHANNEL_KEEPALIVE,
+    ]
+
+
+CHANNEL_OPTIONS = channel_options()
 
 log = logging.getLogger("ringq.links")
 # The end-of-stream marker of grpc.aio's read(); the type stubs predate it.
@@ -106,8 +121,10 @@ class LinkManager:
         clock: Callable[[], float] = time.monotonic,
         forget_address: Callable[[str], None] | None = None,
         reassembly_budget: ReassemblyBudget | None = None,
+        options: list[tuple[str, int]] | None = None,
     ) -> None:
         self.node = node
+        self.options = options if options is not None else CHANNEL_OPTIONS
         # Partial fragmented messages of all links together stay within this budget.
         self.reassembly_budget = reassembly_budget if reassembly_budget is not None else ReassemblyBudget()
         self.incarnation = incarnation
@@ -234,7 +251,7 @@ class LinkManager:
             return
         channel = self._channels.get(address)
         if channel is None:
-            channel = self._channels[address] = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+            channel = self._channels[address] = grpc.aio.insecure_channel(address, options=self.options)
         stub = peer_pb2_grpc.PeerServiceStub(channel)
         # Called without a request iterator: the stream is driven by write()/read().
         open_link: Any = stub.Link

@@ -158,8 +158,11 @@ class QueueServicer(queue_pb2_grpc.QueueServiceServicer):
         coordinator: CoordinatorClient,
         address_of: Callable[[str], Awaitable[str | None]],
         channel_to: Callable[[str], grpc.aio.Channel],
+        memory_clear: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
         self.node_id = node_id
+        # Returns once the node's memory alarm is off: publish streams are read only then.
+        self.memory_clear = memory_clear
         self.manager = manager
         self.coordinator = coordinator
         self.address_of = address_of
@@ -352,6 +355,8 @@ class QueueServicer(queue_pb2_grpc.QueueServiceServicer):
             # they came: a publisher's messages must reach the master in seq order.
             try:
                 async for request in request_iterator:
+                    if self.memory_clear is not None:
+                        await self.memory_clear()  # the memory alarm: read no more (gRPC blocks the publisher)
                     problem = _publish_problem(request)
                     if problem:
                         pending.put_nowait(failed(ValueError(problem)))

@@ -255,6 +255,16 @@ def _disk_columns(node: coordinator_pb2.NodeRecord) -> list[str]:
     return [free, limit, "ALARM" if node.disk_alarm else "no"]
 
 
+def _memory_columns(node: coordinator_pb2.NodeRecord) -> list[str]:
+    """memory used, memory watermark, memory alarm: "-" for what the node did not report."""
+    used = _mebibytes(node.memory_used_bytes) if node.HasField("memory_used_bytes") else "-"
+    if not node.HasField("memory_high_watermark_bytes"):
+        watermark = "-"
+    else:
+        watermark = _mebibytes(node.memory_high_watermark_bytes) if node.memory_high_watermark_bytes else "none"
+    return [used, watermark, "ALARM" if node.memory_alarm else "no"]
+
+
 def cluster_status(c: Coordinators, args: argparse.Namespace) -> tuple[Any, str]:
     status = c.call(lambda s: s.ClusterStatus, coordinator_pb2.ClusterStatusRequest())
     now = time.time() * 1000
@@ -266,10 +276,12 @@ def cluster_status(c: Coordinators, args: argparse.Namespace) -> tuple[Any, str]
             "yes" if n.draining else "no",
             f"{(now - n.last_heartbeat_unix_ms) / 1000:.1f}s ago" if n.last_heartbeat_unix_ms else "never",
             *_disk_columns(n),
+            *_memory_columns(n),
         ]
         for n in status.nodes
     ]
     headers = ["node", "address", "alive", "draining", "last heartbeat", "disk free", "disk limit", "disk alarm"]
+    headers += ["memory used", "memory watermark", "memory alarm"]
     text = _table(rows, headers)
     coordinators = ", ".join(f"{e.address} ({'alive' if e.alive else 'not answering'})" for e in status.coordinators)
     text += f"\n\nstore: {status.store_kind}; coordinators: {coordinators or 'none registered'}"
