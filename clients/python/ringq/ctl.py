@@ -26,7 +26,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any, NoReturn, TypeVar
+from typing import Any, Literal, NoReturn, TypeVar
 
 import grpc
 from google.protobuf import json_format
@@ -245,24 +245,20 @@ def _mebibytes(size_bytes: int) -> str:
     return f"{size_bytes // (1024 * 1024)} MiB"
 
 
-def _disk_columns(node: coordinator_pb2.NodeRecord) -> list[str]:
-    """disk free, disk limit, disk alarm: "-" for what the node did not report (an older node)."""
-    free = _mebibytes(node.disk_free_bytes) if node.HasField("disk_free_bytes") else "-"
-    if not node.HasField("disk_free_limit_bytes"):
-        limit = "-"
-    else:
-        limit = _mebibytes(node.disk_free_limit_bytes) if node.disk_free_limit_bytes else "none"
-    return [free, limit, "ALARM" if node.disk_alarm else "no"]
+_SizeField = Literal["disk_free_bytes", "disk_free_limit_bytes", "memory_used_bytes", "memory_high_watermark_bytes"]
 
 
-def _memory_columns(node: coordinator_pb2.NodeRecord) -> list[str]:
-    """memory used, memory watermark, memory alarm: "-" for what the node did not report."""
-    used = _mebibytes(node.memory_used_bytes) if node.HasField("memory_used_bytes") else "-"
-    if not node.HasField("memory_high_watermark_bytes"):
-        watermark = "-"
-    else:
-        watermark = _mebibytes(node.memory_high_watermark_bytes) if node.memory_high_watermark_bytes else "none"
-    return [used, watermark, "ALARM" if node.memory_alarm else "no"]
+def _alarm_columns(node: coordinator_pb2.NodeRecord, figure: _SizeField, bound: _SizeField, alarm: bool) -> list[str]:
+    """A measured figure, its bound (0: "none") and the alarm: "-" for what the node did not report
+    (an older node)."""
+
+    def size(field: _SizeField, zero: str) -> str:
+        if not node.HasField(field):
+            return "-"
+        value = getattr(node, field)
+        return _mebibytes(value) if value else zero
+
+    return [size(figure, "0 MiB"), size(bound, "none"), "ALARM" if alarm else "no"]
 
 
 def cluster_status(c: Coordinators, args: argparse.Namespace) -> tuple[Any, str]:
@@ -275,8 +271,8 @@ def cluster_status(c: Coordinators, args: argparse.Namespace) -> tuple[Any, str]
             "yes" if n.alive else "NO",
             "yes" if n.draining else "no",
             f"{(now - n.last_heartbeat_unix_ms) / 1000:.1f}s ago" if n.last_heartbeat_unix_ms else "never",
-            *_disk_columns(n),
-            *_memory_columns(n),
+            *_alarm_columns(n, "disk_free_bytes", "disk_free_limit_bytes", n.disk_alarm),
+            *_alarm_columns(n, "memory_used_bytes", "memory_high_watermark_bytes", n.memory_alarm),
         ]
         for n in status.nodes
     ]
