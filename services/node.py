@@ -41,10 +41,12 @@ import grpc
 from ringq import tracing
 from ringq.keepalive import SERVER_KEEPALIVE
 from ringq.v1 import group_pb2, group_pb2_grpc, peer_pb2, peer_pb2_grpc, queue_pb2_grpc
+from services import tls as tls_flags
 from services.arguments import OneLineParser, address_argument, addresses_argument, node_id_argument
 from services.coordinator.client import CoordinatorClient
 from services.coordinator.convert import group_from_proto, group_to_proto
-from services.coordinator.group_table import Group, GroupChange, Outcome
+from services.coordinator.group_table import Group, GroupChange, Outcome, member_node
+from services.coordinator.metadata import QUEUE_GROUP_PREFIX
 from services.coordinator.records import DiskReport, MemoryReport
 from services.coordinator.server import group_name_problem
 from services.disk_monitor import MEBIBYTE, DiskMonitor
@@ -57,6 +59,7 @@ from services.memory_monitor import DEFAULT_WATERMARK_SHARE, MemoryMonitor, defa
 from services.queue.manager import QueueManager
 from services.queue.service import QueueServicer
 from services.request_guard import RequestGuard
+from services.tls import PLAINTEXT, ClusterTLS, Dialer, acting_for_problem, member_problem
 
 log = logging.getLogger("ringq.node")
 
@@ -100,6 +103,8 @@ SLOW_JOIN_NOTE_SECONDS = 5.0
 # least one payload), so one flush of many large payloads becomes several events.
 MAX_DELIVERY_EVENT_BYTES = 4 * 1024 * 1024
 JOIN_ATTEMPTS = 5
+# A node sending ring messages in another's name is logged at most this often.
+IMPOSTOR_NOTE_SECONDS = 60.0
 # RabbitMQ's default disk_free_limit: enough room to write a few more batches and the logs.
 DEFAULT_DISK_FREE_LIMIT_MB = 50
 # A limit up to 1 PiB: anything larger is a typo (and still fits the heartbeat's uint64).
@@ -134,9 +139,21 @@ class NodeSettings:
 class Node:
     """The state of one broker node process."""
 
-    def __init__(self, node_id: str, address: str, coordinator: CoordinatorClient, settings: NodeSettings) -> None:
+    def __init__(
+        self,
+        node_id: str,
+        address: str,
+        coordinator: CoordinatorClient,
+        settings: NodeSettings,
+        *,
+        dialer: Dialer = PLAINTEXT,
+        cluster_address: str = "",
+    ) -> None:
         self.id = node_id
         self.address = address
+        # Where other members dial this node ("": at `address`); with TLS, its own port.
+        self.cluster_address = cluster_address
+        self.dialer = dialer
         self.coordinator = coordinator
         self.settings = settings
         self.flush_interval = settings.flush_interval
@@ -150,11 +167,13 @@ class Node:
             heartbeat_interval=settings.heartbeat_interval,
             forget_address=self.forget_address,
             options=channel_options(settings.failure_timeout),
+            dialer=dialer,
         )
         self.members: dict[str, MemberShell] = {}  # by group
         self._addresses: dict[str, str] = {}
         self._peer_channels: dict[str, grpc.aio.Channel] = {}
         self._reported: set[tuple[str, str]] = set()
+        self._impostor_noted: dict[str, float] = {}
         self._detector: asyncio.Task[None] | None = None
         self.watching_groups = False
         self._tasks: set[asyncio.Future[None]] = set()
@@ -166,7 +185,7 @@ class Node:
     # -------------------------------------------------------------- lifecycle
 
     async def start(self) -> None:
-        await self.coordinator.register_node(self.id, self.address)
+        await self.coordinator.register_node(self.id, self.address, self.cluster_address)
         self._detector = asyncio.ensure_future(self._detect_failures())
         await self.disk.measure()  # so the first heartbeat reports the disk
         self._tasks.add(asyncio.ensure_future(self.disk.run()))
@@ -282,7 +301,7 @@ class Node:
                 note_at += SLOW_JOIN_NOTE_SECONDS
             address = await self.address_of(node)
             if address is not None:
-                stub = peer_pb2_grpc.PeerServiceStub(self.peer_channel(address))
+                stub = peer_pb2_grpc.PeerServiceStub(self.peer_channel(node, address))
                 try:
                     response = await stub.AddOnRight(
                         request, timeout=self.settings.failure_timeout, wait_for_ready=True
@@ -319,11 +338,12 @@ class Node:
         """`node` did not answer at the address we knew: ask the coordinator again next time."""
         self._addresses.pop(node, None)
 
-    def peer_channel(self, address: str) -> grpc.aio.Channel:
+    def peer_channel(self, node: str, address: str) -> grpc.aio.Channel:
+        """A channel to node `node` at `address` (with TLS, it completes only if `node` answers)."""
         channel = self._peer_channels.get(address)
         if channel is None:
-            channel = self._peer_channels[address] = grpc.aio.insecure_channel(
-                address, options=peer_channel_options(self.settings.failure_timeout)
+            channel = self._peer_channels[address] = self.dialer.to_node(
+                node, address, peer_channel_options(self.settings.failure_timeout)
             )
         return channel
 
@@ -337,9 +357,20 @@ class Node:
         except ValueError as error:
             log.warning("dropping a malformed ring message from %s: %s", peer, error)
             return
+        if member_node(message.sender) != peer:
+            # A node speaks only for the members it hosts: with TLS, `peer` is what its certificate proves.
+            self._note_impostor(peer, message.sender)
+            return
         member.post(lambda core: core.on_message(ring_message))
         if member.ring_observer is not None:
             member.ring_observer(ring_message, peer)
+
+    def _note_impostor(self, peer: str, sender: str) -> None:
+        """Log a ring message a node sent in the name of a member it does not host, once per peer per minute."""
+        now = time.monotonic()
+        if now - self._impostor_noted.get(peer, float("-inf")) >= IMPOSTOR_NOTE_SECONDS:
+            self._impostor_noted[peer] = now
+            log.warning("dropped a ring message from node %s in the name of %r, not a member of its own", peer, sender)
 
     def _on_reconnect(self, peer: str) -> None:
         for member in self.members.values():
@@ -431,6 +462,12 @@ class GroupServicer(group_pb2_grpc.GroupServiceServicer):
         problem = group_name_problem(request.group)
         if problem:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
+        if request.group.startswith(QUEUE_GROUP_PREFIX):
+            # A queue's ring carries its messages and its replicas' reports: only the queue's replicas join it.
+            await context.abort(
+                grpc.StatusCode.PERMISSION_DENIED,
+                f"groups named {QUEUE_GROUP_PREFIX}* belong to queues; applications cannot join them",
+            )
         if request.group in self.node.members:
             await context.abort(
                 grpc.StatusCode.ALREADY_EXISTS, f"node {self.node.id} already hosts a member of {request.group}"
@@ -483,10 +520,17 @@ class GroupServicer(group_pb2_grpc.GroupServiceServicer):
         await context.abort(grpc.StatusCode.UNAVAILABLE, f"could not join {group} in {JOIN_ATTEMPTS} attempts")
         raise AssertionError("unreachable")
 
+    def _application_member(self, member_id: str) -> MemberShell | None:
+        """The member an application joined (never a queue's: applications cannot speak for those)."""
+        member = self.node.member_by_id(member_id)
+        if member is None or member.core.group_name.startswith(QUEUE_GROUP_PREFIX):
+            return None
+        return member
+
     async def Broadcast(
         self, request: group_pb2.BroadcastRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> group_pb2.BroadcastResponse:
-        member = self.node.member_by_id(request.member)
+        member = self._application_member(request.member)
         if member is None:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"no member {request.member!r} on node {self.node.id}")
         if not request.payloads:
@@ -508,7 +552,7 @@ class GroupServicer(group_pb2_grpc.GroupServiceServicer):
     async def Leave(
         self, request: group_pb2.LeaveRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> group_pb2.LeaveResponse:
-        member = self.node.member_by_id(request.member)
+        member = self._application_member(request.member)
         if member is None:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"no member {request.member!r} on node {self.node.id}")
         member.leave()
@@ -534,6 +578,13 @@ class PeerServicer(peer_pb2_grpc.PeerServiceServicer):
             await context.abort(grpc.StatusCode.NOT_FOUND, f"{request.left!r} is not a member hosted on {self.node.id}")
         if not request.newcomer or not request.newcomer_node:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "newcomer and newcomer_node must not be empty")
+        if member_node(request.newcomer) != request.newcomer_node:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"newcomer {request.newcomer!r} is not a member of node {request.newcomer_node!r}",
+            )
+        if (problem := acting_for_problem(context, request.newcomer_node)) is not None:
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, problem)
         group = await member.add_on_right(request.newcomer, request.newcomer_node)
         if group is None:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"{request.left} is not ready to add members")
@@ -550,34 +601,55 @@ async def serve(
     settings: NodeSettings,
     ready_file: str | None,
     advertise: str | None = None,
+    *,
+    tls: ClusterTLS | None = None,
+    cluster_listen: str | None = None,
+    cluster_advertise: str | None = None,
 ) -> None:
-    """Run a node until SIGTERM or SIGINT; peers and clients are told `advertise` (default: the bound address)."""
-    server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=[RequestGuard()])
-    try:
-        port = server.add_insecure_port(listen)
-    except RuntimeError as error:  # grpc's way of saying the port is taken
-        raise OSError(f"cannot listen on {listen}: {error}") from None
-    if port == 0:
-        raise OSError(f"cannot listen on {listen}")
-    host = listen.rsplit(":", 1)[0]
-    address = advertise or f"{host}:{port}"
+    """Run a node until SIGTERM or SIGINT; clients are told `advertise` (default: the bound address).
+
+    Plaintext: one port serves clients and cluster members alike. With `tls`, clients use `listen`
+    (TLS) and cluster members `cluster_listen` (mutual TLS, port 0 by default: any), so the cluster's
+    internal services answer only certificates of the cluster CA.
+    """
+    client_server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=[RequestGuard()])
+    port = _listen(client_server, listen, tls.client_server_credentials() if tls else None)
+    address = advertise or f"{listen.rsplit(':', 1)[0]}:{port}"
+    cluster_server, cluster_address = client_server, ""
+    if tls is not None:
+        cluster_server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=[RequestGuard(admit=member_problem)])
+        cluster_listen = cluster_listen or f"{listen.rsplit(':', 1)[0]}:0"
+        cluster_port = _listen(cluster_server, cluster_listen, tls.cluster_server_credentials())
+        cluster_address = cluster_advertise or f"{cluster_listen.rsplit(':', 1)[0]}:{cluster_port}"
+    dialer = Dialer(tls)
     # Membership changes wait for the coordinator as long as it takes: a ring
     # cannot change its view without it, and giving up would stop the member.
-    client = CoordinatorClient(coordinator, retry_seconds=COORDINATOR_RETRY_SECONDS)
-    node = Node(node_id, address, client, settings)
-    group_pb2_grpc.add_GroupServiceServicer_to_server(GroupServicer(node), server)
-    peer_pb2_grpc.add_PeerServiceServicer_to_server(PeerServicer(node), server)
+    client = CoordinatorClient(coordinator, retry_seconds=COORDINATOR_RETRY_SECONDS, dialer=dialer)
+    node = Node(node_id, address, client, settings, dialer=dialer, cluster_address=cluster_address)
+    group_pb2_grpc.add_GroupServiceServicer_to_server(GroupServicer(node), client_server)
+    peer_pb2_grpc.add_PeerServiceServicer_to_server(PeerServicer(node), cluster_server)
     queues = QueueManager(node, client, settings.data_dir, settings.recovery_wait)
-    queue_servicer = QueueServicer(node.id, queues, client, node.address_of, node.peer_channel, node.memory.wait_clear)
-    queue_pb2_grpc.add_QueueServiceServicer_to_server(queue_servicer, server)
-    await server.start()
+    queue_servicer = QueueServicer(
+        node.id, queues, client, node.address_of, node.peer_channel, node.memory.wait_clear, address
+    )
+    queue_pb2_grpc.add_QueueServiceServicer_to_server(queue_servicer, client_server)
+    if cluster_server is not client_server:
+        # Relayed queue calls come from other nodes, on the cluster port.
+        queue_pb2_grpc.add_QueueServiceServicer_to_server(queue_servicer, cluster_server)
+        await cluster_server.start()
+    await client_server.start()
     await node.start()
     await queues.start()
     if ready_file:
         tmp = f"{ready_file}.tmp"
         Path(tmp).write_text(address)
         os.replace(tmp, ready_file)
-    log.info("node %s serving on %s", node_id, address)
+    log.info(
+        "node %s serving clients on %s%s",
+        node_id,
+        address,
+        f" (TLS) and cluster members on {cluster_address} (mutual TLS)" if tls else " (plaintext)",
+    )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -585,7 +657,20 @@ async def serve(
     await stop.wait()
     await queues.stop()
     await node.stop()
-    await server.stop(grace=1.0)
+    await client_server.stop(grace=1.0)
+    if cluster_server is not client_server:
+        await cluster_server.stop(grace=1.0)
+
+
+def _listen(server: grpc.aio.Server, listen: str, credentials: grpc.ServerCredentials | None) -> int:
+    """Bind `listen` (plaintext without credentials); the port bound, or OSError."""
+    try:
+        port = server.add_insecure_port(listen) if credentials is None else server.add_secure_port(listen, credentials)
+    except RuntimeError as error:  # grpc's way of saying the port is taken
+        raise OSError(f"cannot listen on {listen}: {error}") from None
+    if port == 0:
+        raise OSError(f"cannot listen on {listen}")
+    return port
 
 
 def _millis(value: str) -> float:
@@ -629,6 +714,17 @@ def parser() -> argparse.ArgumentParser:
         help="HOST:PORT that peers and clients should dial (default: the --listen address; "
         "set it when listening on 0.0.0.0, e.g. in a container)",
     )
+    out.add_argument(
+        "--cluster-listen",
+        type=address_argument,
+        help="with TLS: HOST:PORT where other cluster members reach this node (default: the --listen host, any port)",
+    )
+    out.add_argument(
+        "--cluster-advertise",
+        type=address_argument,
+        help="with TLS: HOST:PORT that other members should dial for the cluster port (default: the bound one)",
+    )
+    tls_flags.add_arguments(out)
     out.add_argument("--flush-interval-ms", type=_millis, default=str(defaults.flush_interval * 1000))
     out.add_argument("--heartbeat-interval-ms", type=_millis, default=str(defaults.heartbeat_interval * 1000))
     out.add_argument("--failure-timeout-ms", type=_millis, default=str(defaults.failure_timeout * 1000))
@@ -676,8 +772,10 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parser().parse_args(argv)
+    arguments = parser()
+    args = arguments.parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    tls = tls_flags.from_arguments(arguments, args, args.listen)
     settings = NodeSettings(
         flush_interval=args.flush_interval_ms,
         heartbeat_interval=args.heartbeat_interval_ms,
@@ -691,7 +789,19 @@ def main(argv: list[str] | None = None) -> int:
     )
     tracing.configure("ringq-node", args.id, args.trace_dir)
     try:
-        asyncio.run(serve(args.id, args.listen, args.coordinator, settings, args.ready_file, args.advertise))
+        asyncio.run(
+            serve(
+                args.id,
+                args.listen,
+                args.coordinator,
+                settings,
+                args.ready_file,
+                args.advertise,
+                tls=tls,
+                cluster_listen=args.cluster_listen,
+                cluster_advertise=args.cluster_advertise,
+            )
+        )
     except OSError as error:
         print(f"ringq node: {error}", file=sys.stderr)
         return 1

@@ -82,10 +82,17 @@ class _GuardedContext:
 
 
 class RequestGuard(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]  # not generic at run time
-    """The server interceptor: `grpc.aio.server(interceptors=[RequestGuard()])`."""
+    """The server interceptor: `grpc.aio.server(interceptors=[RequestGuard()])`.
 
-    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+    `admit`, if given, says why a call may not be served at all (e.g. a cluster port called without a
+    member certificate: services/tls.py); such calls get PERMISSION_DENIED before any handler runs.
+    """
+
+    def __init__(
+        self, clock: Callable[[], float] = time.monotonic, admit: Callable[[Any], str | None] | None = None
+    ) -> None:
         self._log = _RefusalLog(clock)
+        self._admit = admit
 
     async def intercept_service(
         self,
@@ -98,6 +105,15 @@ class RequestGuard(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]  # not
         method = handler_call_details.method
         parse = _tolerant(handler.request_deserializer)
         serialize = handler.response_serializer
+
+        admit = self._admit
+
+        async def gate(context: Any, request: Any) -> None:
+            """Refuse a caller not admitted, then a malformed first request."""
+            if admit is not None and (problem := admit(context)) is not None:
+                await context.abort(grpc.StatusCode.PERMISSION_DENIED, problem)
+            if isinstance(request, _Malformed):
+                await refuse(context, request)
 
         async def refuse(context: Any, malformed: _Malformed) -> None:
             self._log.note(context.peer(), method, malformed.problem)
@@ -116,25 +132,25 @@ class RequestGuard(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]  # not
             unary_unary: Any = handler.unary_unary
 
             async def unary_unary_behaviour(request: Any, context: Any) -> Any:
-                if isinstance(request, _Malformed):
-                    await refuse(context, request)
+                await gate(context, request)
                 return await unary_unary(request, _GuardedContext(context, refuse))
 
             return grpc.unary_unary_rpc_method_handler(unary_unary_behaviour, parse, serialize)
         if handler.unary_stream is not None:
             return grpc.unary_stream_rpc_method_handler(
-                _streaming(handler.unary_stream, lambda request, context: request, refuse), parse, serialize
+                _streaming(handler.unary_stream, lambda request, context: request, refuse, gate), parse, serialize
             )
         if handler.stream_unary is not None:
             stream_unary: Any = handler.stream_unary
 
             async def stream_unary_behaviour(requests: AsyncIterator[Any], context: Any) -> Any:
+                await gate(context, None)
                 return await stream_unary(guarded_stream(requests, context), _GuardedContext(context, refuse))
 
             return grpc.stream_unary_rpc_method_handler(stream_unary_behaviour, parse, serialize)
         assert handler.stream_stream is not None
         return grpc.stream_stream_rpc_method_handler(
-            _streaming(handler.stream_stream, guarded_stream, refuse), parse, serialize
+            _streaming(handler.stream_stream, guarded_stream, refuse, gate), parse, serialize
         )
 
 
@@ -142,22 +158,21 @@ def _streaming(
     behaviour: Callable[..., Any],
     guard_request: Callable[[Any, Any], Any],
     refuse: Callable[[Any, _Malformed], Awaitable[None]],
+    gate: Callable[[Any, Any], Awaitable[None]],
 ) -> Callable[..., Any]:
     """A response-streaming behaviour wrapped alike whether it yields its responses (an async generator)
     or writes them with context.write() (a coroutine): gRPC treats the two differently."""
     if inspect.isasyncgenfunction(behaviour):
 
         async def yielding(request: Any, context: Any) -> AsyncIterator[Any]:
-            if isinstance(request, _Malformed):
-                await refuse(context, request)
+            await gate(context, request)
             async for response in behaviour(guard_request(request, context), _GuardedContext(context, refuse)):
                 yield response
 
         return yielding
 
     async def writing(request: Any, context: Any) -> None:
-        if isinstance(request, _Malformed):
-            await refuse(context, request)
+        await gate(context, request)
         await behaviour(guard_request(request, context), _GuardedContext(context, refuse))
 
     return writing

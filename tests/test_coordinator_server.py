@@ -67,7 +67,7 @@ def test_group_changes_and_nodes_round_trip(tmp_path: Path) -> None:
         assert (outcome, group) == (Outcome.APPLIED, Group("g", 4, (A, GroupMember("c", "n3", False), B)))
         outcome, group = await client.change_group("g", EraseMembers(4, ("c",), "b"))
         assert (outcome, group) == (Outcome.APPLIED, Group("g", 5, (A, B)))
-        outcome, group = await client.change_group("g", MarkMemberDead(5, "a", ""))  # a joiner reports
+        outcome, group = await client.change_group("g", MarkMemberDead(5, "a", "j", joining=True))  # a joiner reports
         assert (outcome, group.version) == (Outcome.APPLIED, 6)
         assert await client.read_group("g") == group
 
@@ -92,6 +92,8 @@ BAD_REQUESTS = [
     pytest.param(lambda c: c.change_group("g", AddMember(1, "", B)), "left must not be empty", id="no left"),
     pytest.param(lambda c: c.change_group("g", AddMember(1, "a", NO_NODE)), "newcomer.node", id="no node"),
     pytest.param(lambda c: c.change_group("g", MarkMemberDead(1, "", "a")), "member must not", id="no member"),
+    pytest.param(lambda c: c.change_group("g", MarkMemberDead(1, "a", "")), "actor must not", id="no actor"),
+    pytest.param(lambda c: c.change_group("g", EraseMembers(1, ("a",), "")), "actor must not", id="no eraser"),
     pytest.param(lambda c: c.change_group("g", EraseMembers(1, (), "a")), "members must name", id="no members"),
     pytest.param(lambda c: c.change_group("g", EraseMembers(1, ("x", ""), "a")), "members[1]", id="members[1]"),
     pytest.param(lambda c: c.register_node("", "127.0.0.1:1"), "node must not be empty", id="empty node"),

@@ -105,10 +105,23 @@ def test_mark_dead_keeps_the_entry_in_place() -> None:
     assert group.alive_ids() == ["a", "c"]
 
 
-def test_mark_dead_by_a_joiner_without_actor() -> None:
-    outcome, group = apply(ring(A, B), MarkMemberDead(5, "a", ""))
+def test_mark_dead_by_a_joiner_not_yet_in_the_group() -> None:
+    outcome, group = apply(ring(A, B), MarkMemberDead(5, "a", "j", joining=True))
     assert outcome is Outcome.APPLIED
     assert group.members == (dead(A), B)
+
+
+def test_mark_dead_without_an_actor_is_refused() -> None:
+    """Anyone could record any member dead with no actor: a change always names the member making it."""
+    before = ring(A, B)
+    assert apply(before, MarkMemberDead(5, "a", "")) == (Outcome.ACTOR_NOT_ALIVE, before)
+    assert apply(before, MarkMemberDead(5, "a", "", joining=True)) == (Outcome.ACTOR_NOT_ALIVE, before)
+
+
+def test_a_joining_actor_that_was_a_member_once_is_not_a_joiner() -> None:
+    """A member recorded dead (or dead and erased) that still runs cannot pass itself off as a joiner."""
+    before = ring(A, dead(B))
+    assert apply(before, MarkMemberDead(5, "a", "b", joining=True)) == (Outcome.ACTOR_NOT_ALIVE, before)
 
 
 def test_mark_dead_of_a_dead_or_unknown_member_is_already_true() -> None:
@@ -139,7 +152,7 @@ def test_every_applied_change_bumps_the_version_by_exactly_one() -> None:
         MarkMemberDead(3, "b", "c"),
         EraseMembers(4, ("b",), "a"),
         MarkMemberDead(5, "a", "c"),
-        MarkMemberDead(6, "c", ""),
+        MarkMemberDead(6, "c", "j", joining=True),
         CreateGroup(7, B),
     ]
     for step in steps:

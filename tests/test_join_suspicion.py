@@ -43,7 +43,7 @@ class MemoryCoordinator:
         self.addresses: dict[str, str] = {}
         self.changes: list[tuple[float, GroupChange]] = []
 
-    async def register_node(self, node: str, address: str) -> None:
+    async def register_node(self, node: str, address: str, cluster_address: str = "") -> None:
         self.addresses[node] = address
 
     async def node_heartbeat(self, node: str) -> None:

@@ -321,7 +321,7 @@ def test_a_join_target_that_refused_is_chosen_again_and_only_evidence_records_it
     assert joiner.on_group(table) == [ChooseLeft(("a",))]
     joiner.join_via("a")
     assert joiner.on_join_failed("a", down_evidence="silent 2.1 s") == [
-        WriteGroup(MarkMemberDead(1, "a", ""), "join target a on node-a down (silent 2.1 s)")
+        WriteGroup(MarkMemberDead(1, "a", "b", joining=True), "join target a on node-a down (silent 2.1 s)")
     ]
 
 

@@ -14,6 +14,7 @@ import asyncio
 import logging
 import sys
 
+from services import tls
 from services.arguments import OneLineParser, address_problem
 from services.coordinator.server import serve
 from services.coordinator.store import StoreUnavailable
@@ -63,6 +64,7 @@ def main(argv: list[str] | None = None, *, prog: str = "python -m services.coord
         help=f"zookeeper: the root znode (default {DEFAULT_ZOOKEEPER_ROOT})",
     )
     parser.add_argument("--ready-file", help="write the bound HOST:PORT here once listening")
+    tls.add_arguments(parser)
     args = parser.parse_args(argv)
     if args.store == "zookeeper":
         if args.zookeeper is None:
@@ -72,6 +74,7 @@ def main(argv: list[str] | None = None, *, prog: str = "python -m services.coord
     elif args.zookeeper is not None or args.zookeeper_root is not None:
         parser.error("--zookeeper and --zookeeper-root apply only to --store zookeeper")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s coordinator %(levelname)s %(message)s")
+    cluster_tls = tls.from_arguments(parser, args, args.listen)
     try:
         asyncio.run(
             serve(
@@ -81,6 +84,7 @@ def main(argv: list[str] | None = None, *, prog: str = "python -m services.coord
                 store_kind=args.store,
                 zookeeper_hosts=args.zookeeper,
                 zookeeper_root=args.zookeeper_root or DEFAULT_ZOOKEEPER_ROOT,
+                tls=cluster_tls,
             )
         )
     except StoreUnavailable as exc:

@@ -30,6 +30,7 @@ from services.coordinator.convert import (
 from services.coordinator.group_table import Group, GroupChange, Outcome
 from services.coordinator.metadata import QueueRecord
 from services.coordinator.records import NO_DISK_REPORT, NO_MEMORY_REPORT, DiskReport, MemoryReport
+from services.tls import PLAINTEXT, Dialer
 
 _Req = TypeVar("_Req")
 _Resp = TypeVar("_Resp")
@@ -68,7 +69,14 @@ class CoordinatorClient:
     """Calls the coordinators at `addresses` ("host:port", a list, or a comma-separated
     string), sticking to one until it fails; use from one event loop."""
 
-    def __init__(self, addresses: str | Sequence[str], *, timeout: float = 5.0, retry_seconds: float = 30.0) -> None:
+    def __init__(
+        self,
+        addresses: str | Sequence[str],
+        *,
+        timeout: float = 5.0,
+        retry_seconds: float = 30.0,
+        dialer: Dialer = PLAINTEXT,
+    ) -> None:
         if isinstance(addresses, str):
             addresses = [a.strip() for a in addresses.split(",") if a.strip()]
         if not addresses:
@@ -78,6 +86,7 @@ class CoordinatorClient:
         self._current = 0
         self._timeout = timeout
         self._retry_seconds = retry_seconds
+        self._dialer = dialer  # with TLS: this member's certificate, and only a coordinator's accepted
 
     @property
     def current_address(self) -> str:
@@ -88,7 +97,7 @@ class CoordinatorClient:
         address = self.current_address
         channel = self._channels.get(address)
         if channel is None:
-            channel = self._channels[address] = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+            channel = self._channels[address] = self._dialer.to_coordinator(address, CHANNEL_OPTIONS)
         return coordinator_pb2_grpc.CoordinatorServiceStub(channel)
 
     async def read_group(self, name: str) -> Group:
@@ -107,13 +116,14 @@ class CoordinatorClient:
             response = await self._call(lambda stub: stub.EraseMembers, request)
         return outcome_from_proto(response.outcome), group_from_proto(response.group)
 
-    async def register_node(self, node: str, address: str) -> None:
-        request = coordinator_pb2.RegisterNodeRequest(node=node, address=address)
+    async def register_node(self, node: str, address: str, cluster_address: str = "") -> None:
+        request = coordinator_pb2.RegisterNodeRequest(node=node, address=address, cluster_address=cluster_address)
         await self._call(lambda stub: stub.RegisterNode, request)
 
     async def list_nodes(self) -> list[tuple[str, str]]:
+        """(node, where other cluster members dial it), for every registered node."""
         response = await self._call(lambda stub: stub.ListNodes, coordinator_pb2.ListNodesRequest())
-        return [(record.node, record.address) for record in response.nodes]
+        return [(record.node, record.cluster_address or record.address) for record in response.nodes]
 
     async def node_heartbeat(
         self, node: str, disk: DiskReport = NO_DISK_REPORT, memory: MemoryReport = NO_MEMORY_REPORT

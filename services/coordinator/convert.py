@@ -78,7 +78,7 @@ def change_to_request(name: str, change: GroupChange) -> ChangeRequest:
         )
     if isinstance(change, MarkMemberDead):
         return coordinator_pb2.MarkMemberDeadRequest(
-            group=name, expected_version=version, member=change.member, actor=change.actor
+            group=name, expected_version=version, member=change.member, actor=change.actor, joining=change.joining
         )
     return coordinator_pb2.EraseMembersRequest(
         group=name, expected_version=version, members=list(change.members), actor=change.actor
@@ -94,7 +94,7 @@ def change_from_request(request: ChangeRequest) -> tuple[str, GroupChange]:
     elif isinstance(request, coordinator_pb2.AddMemberRequest):
         change = AddMember(version, request.left, member_from_proto(request.newcomer))
     elif isinstance(request, coordinator_pb2.MarkMemberDeadRequest):
-        change = MarkMemberDead(version, request.member, request.actor)
+        change = MarkMemberDead(version, request.member, request.actor, request.joining)
     else:
         change = EraseMembers(version, tuple(request.members), request.actor)
     return request.group, change
@@ -123,6 +123,7 @@ def node_to_proto(node: NodeRecord, alive: bool) -> coordinator_pb2.NodeRecord:
         memory_used_bytes=node.memory.used_bytes,
         memory_high_watermark_bytes=node.memory.watermark_bytes,
         memory_alarm=node.memory.alarm,
+        cluster_address=node.cluster_address,
     )
 
 

@@ -74,11 +74,13 @@ class AddMember:
 
 @dataclass(frozen=True, slots=True)
 class MarkMemberDead:
-    """Record `member` dead. `actor` is empty for a joiner reporting its failed left."""
+    """`actor` records `member` dead. A `joining` actor (not yet in the group) reports the member it
+    failed to join through; any other actor must be a live member."""
 
     expected_version: int
     member: str
     actor: str
+    joining: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,8 +95,14 @@ class EraseMembers:
 GroupChange = CreateGroup | AddMember | MarkMemberDead | EraseMembers
 
 
+def member_node(member_id: str) -> str:
+    """The node a member id names. Nodes mint their members' ids as `NODE.SUFFIX` (services/node.py)
+    with a suffix that holds no '.', so with TLS a node can be held to speaking for its own members."""
+    return member_id.rpartition(".")[0]
+
+
 def actor_of(change: GroupChange) -> str:
-    """The member that must be alive for the change to apply ('' for none)."""
+    """The member making the change ('' for a CreateGroup, which needs none)."""
     if isinstance(change, AddMember):
         return change.left
     if isinstance(change, MarkMemberDead | EraseMembers):
@@ -115,7 +123,8 @@ def apply(group: Group, change: GroupChange) -> tuple[Outcome, Group]:
             return Outcome.VERSION_CONFLICT, group
         return Outcome.APPLIED, Group(group.name, group.version + 1, (change.creator,))
     actor = actor_of(change)
-    if actor and not group.is_alive(actor):
+    joiner = isinstance(change, MarkMemberDead) and change.joining and bool(actor) and group.member(actor) is None
+    if not joiner and not group.is_alive(actor):
         return Outcome.ACTOR_NOT_ALIVE, group
     if isinstance(change, AddMember):
         if group.member(change.newcomer.id) is not None:

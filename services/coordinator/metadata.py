@@ -57,6 +57,10 @@ class QueueMismatch(ValueError):
         self.field = field
 
 
+# A queue's GM group is named QUEUE_GROUP_PREFIX + a random id; applications may not join such groups.
+QUEUE_GROUP_PREFIX = "queue."
+
+
 @dataclass(frozen=True)
 class QueueRecord:
     """What the coordinator knows of a queue (mirrors ringq.v1.QueueRecord)."""
@@ -274,7 +278,7 @@ def declare_queue(
                     )
             return queue
         fresh = replace(declared, master=preferred_master if preferred_master in live_nodes else "", mirrors=())
-        fresh = replace(fresh, gm_group=f"queue.{uuid.uuid4().hex}")
+        fresh = replace(fresh, gm_group=f"{QUEUE_GROUP_PREFIX}{uuid.uuid4().hex}")
         load = load_cache.load(store) if load_cache is not None else replica_load(list_queues(store))
         placed = _placed(fresh, list_policies(store, declared.vhost), live_nodes, load)
         written = store.put(QUEUE, declared.key, queue_value(placed), 0)

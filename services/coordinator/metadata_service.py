@@ -40,6 +40,7 @@ from services.coordinator.placement_passes import PlacementPasses
 from services.coordinator.policies import Policy, PolicyError
 from services.coordinator.store import Change, Store, StoreUnavailable
 from services.coordinator.watch import ChangeFeed, Resync
+from services.tls import acting_for_problem
 
 COORDINATOR = "coordinator"
 WATCHABLE = frozenset({records.GROUP, records.NODE, metadata.QUEUE, metadata.POLICY, metadata.LEASE})
@@ -84,6 +85,12 @@ async def require(context: _Context, **fields: str) -> None:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{name} must not be empty")
 
 
+async def act_for(context: _Context, node: str) -> None:
+    """Over TLS, a node acts only for itself and the members it hosts (PERMISSION_DENIED otherwise)."""
+    if (problem := acting_for_problem(context, node)) is not None:
+        await context.abort(grpc.StatusCode.PERMISSION_DENIED, problem)
+
+
 class MetadataRpcs:
     """The metadata half of CoordinatorService; needs `_store`, `_feed`, `_liveness_ms`, `_load_cache` and `_passes`."""
 
@@ -107,6 +114,7 @@ class MetadataRpcs:
         self, request: coordinator_pb2.NodeHeartbeatRequest, context: _Context
     ) -> coordinator_pb2.NodeHeartbeatResponse:
         await require(context, node=request.node)
+        await act_for(context, request.node)
         disk, memory = disk_report_from_heartbeat(request), memory_report_from_heartbeat(request)
         await run_store(context, records.node_heartbeat, self._store, request.node, now_ms(), disk, memory)
         return coordinator_pb2.NodeHeartbeatResponse()

@@ -116,14 +116,19 @@ class NodeRecord:
     last_heartbeat_unix_ms: int | None = None
     disk: DiskReport = NO_DISK_REPORT
     memory: MemoryReport = NO_MEMORY_REPORT
+    # Where the node serves other cluster members; "" means at `address`.
+    cluster_address: str = ""
 
 
-def register_node(store: Store, node: str, address: str) -> None:
-    """Record `node` at `address` (insert or update; an existing `draining` flag is kept)."""
+def register_node(store: Store, node: str, address: str, cluster_address: str = "") -> None:
+    """Record `node` at `address`, serving members at `cluster_address` ("" : at `address`)
+    (insert or update; an existing `draining` flag is kept)."""
     while True:
         record = store.get(NODE, node)
         draining = record is not None and bool(record.value.get("draining", False))
-        value = {"address": address, "draining": draining}
+        value: dict[str, Any] = {"address": address, "draining": draining}
+        if cluster_address:
+            value["cluster_address"] = cluster_address
         if record is not None and dict(record.value) == value:
             return  # already so: wake no watcher
         if store.put(NODE, node, value, _version(record)) is not None:
@@ -198,6 +203,7 @@ def list_nodes(store: Store) -> list[NodeRecord]:
                 int(beat["at_unix_ms"]) if beat is not None else None,
                 _disk_report(beat) if beat is not None else NO_DISK_REPORT,
                 _memory_report(beat) if beat is not None else NO_MEMORY_REPORT,
+                str(record.value.get("cluster_address", "")),
             )
         )
     return nodes

@@ -31,13 +31,15 @@ from services.coordinator.convert import (
     node_to_proto,
     outcome_to_proto,
 )
-from services.coordinator.metadata_service import COORDINATOR, MetadataRpcs, now_ms
+from services.coordinator.group_table import CreateGroup, GroupChange, actor_of, member_node
+from services.coordinator.metadata_service import COORDINATOR, MetadataRpcs, act_for, now_ms
 from services.coordinator.placement_passes import PlacementPasses
 from services.coordinator.placement_trigger import PlacementTrigger, RecordChange
 from services.coordinator.sqlite_store import SqliteStore
 from services.coordinator.store import MAX_KEY_LENGTH, Store, StoreUnavailable
 from services.coordinator.watch import ChangeFeed, Resync
 from services.request_guard import RequestGuard
+from services.tls import ClusterTLS, member_problem
 
 log = logging.getLogger(__name__)
 
@@ -92,7 +94,9 @@ def change_problem(request: ChangeRequest) -> str | None:
     if isinstance(request, coordinator_pb2.AddMemberRequest):
         return _empty("left", request.left) or _new_member("newcomer", request.newcomer)
     if isinstance(request, coordinator_pb2.MarkMemberDeadRequest):
-        return _empty("member", request.member)  # an empty actor is a joiner reporting its left
+        return _empty("member", request.member) or _empty("actor", request.actor)
+    if problem := _empty("actor", request.actor):
+        return problem
     if not request.members:
         return "members must name at least one member"
     return next((f"members[{i}] must not be empty" for i, m in enumerate(request.members) if not m), None)
@@ -101,6 +105,13 @@ def change_problem(request: ChangeRequest) -> str | None:
 async def _reject(context: _Context, problem: str | None) -> None:
     if problem is not None:
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
+
+
+def _acting_node(change: GroupChange) -> str:
+    """The node a group change speaks for: the creator's, or the node hosting the acting member."""
+    if isinstance(change, CreateGroup):
+        return change.creator.node
+    return member_node(actor_of(change))
 
 
 class CoordinatorServicer(MetadataRpcs, coordinator_pb2_grpc.CoordinatorServiceServicer):
@@ -149,8 +160,14 @@ class CoordinatorServicer(MetadataRpcs, coordinator_pb2_grpc.CoordinatorServiceS
     async def RegisterNode(
         self, request: coordinator_pb2.RegisterNodeRequest, context: _Context
     ) -> coordinator_pb2.RegisterNodeResponse:
-        await _reject(context, _key("node", request.node) or _key("address", request.address))
-        await _run(context, records.register_node, self._store, request.node, request.address)
+        await act_for(context, request.node)
+        await _reject(
+            context,
+            _key("node", request.node)
+            or _key("address", request.address)
+            or (_key("cluster_address", request.cluster_address) if request.cluster_address else None),
+        )
+        await _run(context, records.register_node, self._store, request.node, request.address, request.cluster_address)
         return coordinator_pb2.RegisterNodeResponse()
 
     async def ListNodes(
@@ -164,6 +181,7 @@ class CoordinatorServicer(MetadataRpcs, coordinator_pb2_grpc.CoordinatorServiceS
     async def _change(self, request: ChangeRequest, context: _Context) -> coordinator_pb2.GroupChangeResponse:
         await _reject(context, change_problem(request))
         name, change = change_from_request(request)
+        await act_for(context, _acting_node(change))
         outcome, group = await _run(context, records.change_group, self._store, name, change)
         return coordinator_pb2.GroupChangeResponse(outcome=outcome_to_proto(outcome), group=group_to_proto(group))
 
@@ -199,21 +217,27 @@ def open_store(
 
 
 async def create_server(
-    address: str, store: Store, *, liveness_ms: int = DEFAULT_LIVENESS_MS
+    address: str, store: Store, *, liveness_ms: int = DEFAULT_LIVENESS_MS, tls: ClusterTLS | None = None
 ) -> tuple[grpc.aio.Server, int]:
     """Start serving `store` on `address` (port 0 picks a free port); returns the server and its port.
+
+    With `tls`, only cluster members (nodes and coordinators with certificates of the cluster CA)
+    are served, and a node acts only for itself.
 
     Also starts, for the life of the event loop, the change feed behind Watch
     and this coordinator's registration (so cluster_status lists it).
     """
-    server = grpc.aio.server(options=SERVER_KEEPALIVE, interceptors=[RequestGuard()])
+    server = grpc.aio.server(options=SERVER_KEEPALIVE, interceptors=[RequestGuard(admit=member_problem)])
     feed = ChangeFeed(store)
     await feed.start()
     passes = PlacementPasses()
     servicer = CoordinatorServicer(store, feed, liveness_ms, passes)
     coordinator_pb2_grpc.add_CoordinatorServiceServicer_to_server(servicer, server)
     await _add_health_service(server)
-    port = server.add_insecure_port(address)
+    if tls is None:
+        port = server.add_insecure_port(address)
+    else:
+        port = server.add_secure_port(address, tls.cluster_server_credentials())
     await server.start()
     advertised = f"{address.rsplit(':', 1)[0]}:{port}"
     _background.add(asyncio.ensure_future(_register_coordinator(store, advertised, liveness_ms)))
@@ -330,6 +354,7 @@ async def serve(
     store_kind: StoreKind = "sqlite",
     zookeeper_hosts: str | None = None,
     zookeeper_root: str = "/ringq",
+    tls: ClusterTLS | None = None,
 ) -> None:
     """Serve a store on `listen` until SIGTERM or SIGINT, then stop with a 1 s grace.
 
@@ -341,14 +366,14 @@ async def serve(
     )
     where = f"db {db_path}" if store_kind == "sqlite" else f"zookeeper {zookeeper_hosts} {zookeeper_root}"
     try:
-        server, port = await create_server(listen, store)
+        server, port = await create_server(listen, store, tls=tls)
         try:
             stop = asyncio.Event()
             loop = asyncio.get_running_loop()
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.add_signal_handler(sig, stop.set)
             bound = f"{listen.rsplit(':', 1)[0]}:{port}"
-            log.info("coordinator listening on %s (%s)", bound, where)
+            log.info("coordinator listening on %s (%s, %s)", bound, where, "mutual TLS" if tls else "plaintext")
             if ready_file is not None:
                 _write_atomically(ready_file, bound)
             await stop.wait()

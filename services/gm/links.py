@@ -20,6 +20,11 @@ Guarantees:
   which recovers anything lost (services/gm/ring.py, `resend_catchup`).
 - Frames of a newer protocol major version are dropped (rolling upgrade);
   malformed frames are dropped and logged, never passed on.
+- With TLS (services/tls.py) a link is with the node its certificate names:
+  a dial completes only if the far end proves it is the peer meant, and an
+  incoming stream whose Hello names another node than its certificate is
+  refused (PERMISSION_DENIED). The node then accepts ring messages on a link
+  only from members the peer node hosts (services/node.py).
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ import grpc
 from ringq.keepalive import CHANNEL_KEEPALIVE
 from ringq.v1 import peer_pb2, peer_pb2_grpc
 from services.gm.fragments import MAX_FRAGMENT_BYTES, FragmentError, Reassembler, ReassemblyBudget, split
+from services.tls import PLAINTEXT, Dialer, caller
 
 PROTOCOL_MAJOR = 1
 PROTOCOL_MINOR = 0
@@ -122,9 +128,12 @@ class LinkManager:
         forget_address: Callable[[str], None] | None = None,
         reassembly_budget: ReassemblyBudget | None = None,
         options: list[tuple[str, int]] | None = None,
+        dialer: Dialer = PLAINTEXT,
     ) -> None:
         self.node = node
         self.options = options if options is not None else CHANNEL_OPTIONS
+        # Opens the channel to a peer; with TLS it completes only if the far end proves it is that peer.
+        self.dialer = dialer
         # Partial fragmented messages of all links together stay within this budget.
         self.reassembly_budget = reassembly_budget if reassembly_budget is not None else ReassemblyBudget()
         self.incarnation = incarnation
@@ -251,7 +260,7 @@ class LinkManager:
             return
         channel = self._channels.get(address)
         if channel is None:
-            channel = self._channels[address] = grpc.aio.insecure_channel(address, options=self.options)
+            channel = self._channels[address] = self.dialer.to_node(link.peer, address, self.options)
         stub = peer_pb2_grpc.PeerServiceStub(channel)
         # Called without a request iterator: the stream is driven by write()/read().
         open_link: Any = stub.Link
@@ -285,6 +294,14 @@ class LinkManager:
         if first is _EOF or first.WhichOneof("kind") != "hello" or not first.hello.node:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a link must open with a Hello naming the node")
         hello = first.hello
+        proven = caller(context) if self.dialer.tls is not None else None
+        if self.dialer.tls is not None and (proven is None or proven.role != "node" or proven.node != hello.node):
+            # With TLS a link speaks only for the node its certificate names.
+            await context.abort(
+                grpc.StatusCode.PERMISSION_DENIED,
+                f"a link's Hello must name the node of its certificate ({proven or 'no member identity'}), "
+                f"not {hello.node!r}",
+            )
         if hello.node == self.node:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a node cannot link to itself")
         link = self._link(hello.node)

@@ -520,7 +520,7 @@ class RingMember:
         if intent.kind == "mark_dead":
             if intent.member not in view.live:
                 return None
-            return MarkMemberDead(version, intent.member, self.id if self._was_member else "")
+            return MarkMemberDead(version, intent.member, self.id, joining=not self._was_member)
         # "abandon" and "leave": record ourselves dead.
         if self.id not in view.live or (intent.kind == "abandon" and self.publishers is not None):
             return None

@@ -157,10 +157,13 @@ class QueueServicer(queue_pb2_grpc.QueueServiceServicer):
         manager: QueueManager,
         coordinator: CoordinatorClient,
         address_of: Callable[[str], Awaitable[str | None]],
-        channel_to: Callable[[str], grpc.aio.Channel],
+        channel_to: Callable[[str, str], grpc.aio.Channel],
         memory_clear: Callable[[], Awaitable[None]] | None = None,
+        address: str = "",
     ) -> None:
         self.node_id = node_id
+        # Where clients reach this node (QueueInfo.master_address of the queues it masters).
+        self.address = address
         # Returns once the node's memory alarm is off: publish streams are read only then.
         self.memory_clear = memory_clear
         self.manager = manager
@@ -198,7 +201,7 @@ class QueueServicer(queue_pb2_grpc.QueueServiceServicer):
         address = await self.address_of(record.master) if record.master else None
         if address is None:
             raise Refused(grpc.StatusCode.UNAVAILABLE, f"queue {record.name!r} has no master now; retry")
-        return None, queue_pb2_grpc.QueueServiceStub(self.channel_to(address)), record
+        return None, queue_pb2_grpc.QueueServiceStub(self.channel_to(record.master, address)), record
 
     async def _route(self, ref: queue_pb2.QueueRef, context: _Context) -> tuple[QueueReplica | None, Any, QueueRecord]:
         try:
@@ -276,14 +279,14 @@ class QueueServicer(queue_pb2_grpc.QueueServiceServicer):
         if stub is not None:
             return await self._relay(context, stub.QueueStatus(ref), queue_pb2.QueueInfo)
         assert replica is not None
-        return self._info(replica, record, await self.address_of(self.node_id) or "")
+        return self._info(replica, record, self.address)
 
     async def QueueStatus(self, request: queue_pb2.QueueRef, context: _Context) -> queue_pb2.QueueInfo:
         replica, stub, record = await self._route(request, context)
         if stub is not None:
             return await self._relay(context, stub.QueueStatus(request), queue_pb2.QueueInfo)
         assert replica is not None
-        return self._info(replica, record, await self.address_of(self.node_id) or "")
+        return self._info(replica, record, self.address)
 
     async def DeleteQueue(
         self, request: queue_pb2.QueueDeleteRequest, context: _Context
@@ -328,7 +331,7 @@ class QueueServicer(queue_pb2_grpc.QueueServiceServicer):
             replica.sync_unsynchronised()
         else:
             replica.cancel_syncs()
-        return self._info(replica, record, await self.address_of(self.node_id) or "")
+        return self._info(replica, record, self.address)
 
     # ----------------------------------------------------------- messaging
 
@@ -454,7 +457,7 @@ class QueueServicer(queue_pb2_grpc.QueueServiceServicer):
         address = await self.address_of(record.master)
         if address is None:
             raise ConnectionError(f"no address for {record.master}")
-        stub: Any = queue_pb2_grpc.QueueServiceStub(self.channel_to(address))
+        stub: Any = queue_pb2_grpc.QueueServiceStub(self.channel_to(record.master, address))
         request = queue_pb2.PublishRequest(
             queue=queue_pb2.QueueRef(vhost=record.vhost, queue=record.name),
             messages=[queue_pb2.OutgoingMessage(body=i.body, headers=i.headers) for i in items],
