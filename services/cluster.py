@@ -43,6 +43,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, BinaryIO
 
+from services import certs
 from services.arguments import address_problem, node_id_problem
 
 HOST = "127.0.0.1"
@@ -53,6 +54,7 @@ NODE_COMMAND: tuple[str, ...] = (sys.executable, "-m", "services.node")
 COORDINATOR_COMMAND: tuple[str, ...] = (sys.executable, "-m", "services.coordinator")
 
 _RECORD = "cluster.json"
+TLS_DIR = "tls"
 _LOCK = "cluster.lock"
 _POLL_SECONDS = 0.02
 _KILL_GRACE_SECONDS = 5.0
@@ -96,6 +98,12 @@ class ClusterInfo:
     started_at: str
     node_command: tuple[str, ...] = NODE_COMMAND
     node_args: tuple[str, ...] = ()
+    # Members prove who they are with certificates in DIR/tls (services/certs.py); clients use TLS.
+    tls: bool = False
+
+    @property
+    def tls_dir(self) -> Path:
+        return self.directory / TLS_DIR
 
     @property
     def processes(self) -> tuple[ProcessInfo, ...]:
@@ -126,11 +134,14 @@ def up(
     node_args: Sequence[str] = (),
     timeout: float = 20.0,
     node_command: Sequence[str] | None = None,
+    tls: bool = False,
 ) -> ClusterInfo:
     """Start a coordinator and nodes node1..node`nodes` in `directory`; return once all are serving.
 
     With `base_port` 0 every process binds a free port; with P the coordinator binds P and node k binds
     P+k. `node_args` are appended to every node's command line. `timeout` bounds the whole start-up.
+    With `tls`, a CA and member certificates are made in DIR/tls (kept across restarts) and every
+    process uses them; nodes serve cluster members on a port of their own.
     """
     if not 1 <= nodes <= MAX_NODES:
         raise ValueError(f"nodes must be between 1 and {MAX_NODES}, got {nodes}")
@@ -150,13 +161,15 @@ def up(
         deadline = time.monotonic() + timeout
         started: list[_Launch] = []
         try:
-            coordinator = _start_coordinator(directory, base_port, started)
+            if tls:
+                certs.cluster_material(directory / TLS_DIR, [f"node{k}" for k in range(1, nodes + 1)])
+            coordinator = _start_coordinator(directory, base_port, started, tls)
             (coordinator_info,) = _await_ready([coordinator], deadline, timeout)
             launches = []
             for k in range(1, nodes + 1):
                 port = base_port + k if base_port else 0
                 launches.append(
-                    _start_node(directory, f"node{k}", coordinator_info.address, port, command, node_args, started)
+                    _start_node(directory, f"node{k}", coordinator_info.address, port, command, node_args, started, tls)
                 )
             info = ClusterInfo(
                 directory=directory,
@@ -165,6 +178,7 @@ def up(
                 started_at=datetime.now(UTC).isoformat(timespec="seconds"),
                 node_command=command,
                 node_args=tuple(node_args),
+                tls=tls,
             )
             _write_record(info)
         except BaseException:
@@ -251,8 +265,10 @@ def start_node(directory: Path | str, node_id: str, *, port: int = 0, timeout: f
             raise ClusterError(f"{node_id} is already running (pid {previous.pid})")
         started: list[_Launch] = []
         try:
+            if info.tls:
+                certs.issue_node(info.tls_dir, node_id)
             launch = _start_node(
-                directory, node_id, info.coordinator.address, port, info.node_command, info.node_args, started
+                directory, node_id, info.coordinator.address, port, info.node_command, info.node_args, started, info.tls
             )
             (process,) = _await_ready([launch], time.monotonic() + timeout, timeout)
             nodes = [process if p.name == node_id else p for p in info.nodes]
@@ -277,7 +293,7 @@ def restart_coordinator(directory: Path | str, *, timeout: float = 20.0) -> Proc
         port = int(info.coordinator.address.rsplit(":", 1)[1])
         started: list[_Launch] = []
         try:
-            launch = _start_coordinator(directory, port, started)
+            launch = _start_coordinator(directory, port, started, info.tls)
             (process,) = _await_ready([launch], time.monotonic() + timeout, timeout)
             _write_record(replace(info, coordinator=process))
         except BaseException:
@@ -334,15 +350,24 @@ def _ready_file(directory: Path, name: str) -> Path:
     return directory / "run" / f"{name}.ready"
 
 
-def _start_coordinator(directory: Path, port: int, started: list[_Launch]) -> _Launch:
+def _start_coordinator(directory: Path, port: int, started: list[_Launch], tls: bool) -> _Launch:
     ready = _ready_file(directory, COORDINATOR)
     command = [
         *COORDINATOR_COMMAND,
         *("--listen", f"{HOST}:{port}"),
         *("--db", str(directory / "coordinator.db")),
         *("--ready-file", str(ready)),
+        *(_tls_flags(certs.coordinator_paths(directory / TLS_DIR), directory) if tls else ()),
     ]
     return _launch(directory, COORDINATOR, command, started)
+
+
+def _tls_flags(issued: certs.Issued, directory: Path) -> list[str]:
+    return [
+        *("--tls-ca", str(certs.ca_paths(directory / TLS_DIR).certificate)),
+        *("--tls-cert", str(issued.certificate)),
+        *("--tls-key", str(issued.key)),
+    ]
 
 
 def _start_node(
@@ -353,6 +378,7 @@ def _start_node(
     node_command: Sequence[str],
     node_args: Sequence[str],
     started: list[_Launch],
+    tls: bool,
 ) -> _Launch:
     command = [
         *node_command,
@@ -360,6 +386,7 @@ def _start_node(
         *("--listen", f"{HOST}:{port}"),
         *("--coordinator", coordinator),
         *("--ready-file", str(_ready_file(directory, node_id))),
+        *(_tls_flags(certs.node_paths(directory / TLS_DIR, node_id), directory) if tls else ()),
         *node_args,
     ]
     return _launch(directory, node_id, command, started)
@@ -560,6 +587,7 @@ def _write_record(info: ClusterInfo) -> None:
         "started_at": info.started_at,
         "node_command": list(info.node_command),
         "node_args": list(info.node_args),
+        "tls": info.tls,
     }
     path = info.directory / _RECORD
     tmp = path.with_name(f"{_RECORD}.tmp")
@@ -583,6 +611,7 @@ def _read_record(directory: Path) -> ClusterInfo | None:
             started_at=str(record["started_at"]),
             node_command=tuple(str(arg) for arg in record.get("node_command", NODE_COMMAND)),
             node_args=tuple(str(arg) for arg in record.get("node_args", ())),
+            tls=bool(record.get("tls", False)),
         )
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise ClusterError(f"{path} is not a cluster record ({type(exc).__name__}: {exc})") from exc

@@ -52,6 +52,7 @@ from tenacity import AsyncRetrying, retry_if_exception, stop_after_delay, wait_e
 from ringq import tracing
 from ringq.history import History
 from ringq.keepalive import CHANNEL_KEEPALIVE
+from ringq.security import TLS, aio_channel
 from ringq.v1 import coordinator_pb2, coordinator_pb2_grpc, queue_pb2, queue_pb2_grpc
 
 CHANNEL_OPTIONS = [
@@ -115,6 +116,7 @@ class Connection:
     `retry_for`: how long calls and streams keep retrying through a failover
     without progress before giving up. `history`: a file to record this
     client's events in (docs/observability.md), default $RINGQ_HISTORY.
+    `tls`: reach the nodes over TLS (`ringq.TLS(ca="ca.pem")`); None: plaintext.
     """
 
     def __init__(
@@ -126,8 +128,10 @@ class Connection:
         history: str | None = None,
         retry_for: float = 30.0,
         call_timeout: float = 10.0,
+        tls: TLS | None = None,
     ) -> None:
         self.addresses = [addresses] if isinstance(addresses, str) else list(addresses)
+        self.tls = tls
         if not self.addresses:
             raise ValueError("a connection needs at least one node address")
         self.vhost = vhost
@@ -156,7 +160,7 @@ class Connection:
     def stub(self) -> Any:  # grpc's stubs type aio calls as sync ones
         channel = self._channels.get(self.address)
         if channel is None:
-            channel = self._channels[self.address] = grpc.aio.insecure_channel(self.address, options=CHANNEL_OPTIONS)
+            channel = self._channels[self.address] = aio_channel(self.address, self.tls, CHANNEL_OPTIONS)
         return queue_pb2_grpc.QueueServiceStub(channel)
 
     def failed(self) -> None:

@@ -18,6 +18,7 @@ from typing import Any
 
 import grpc
 
+from ringq.security import TLS, aio_channel
 from ringq.v1 import group_pb2, group_pb2_grpc
 
 CHANNEL_OPTIONS = [
@@ -37,9 +38,9 @@ class GroupMembership:
         self.member_id = joined.member
 
     @classmethod
-    async def join(cls, address: str, group: str, timeout: float = 30.0) -> GroupMembership:
+    async def join(cls, address: str, group: str, timeout: float = 30.0, *, tls: TLS | None = None) -> GroupMembership:
         """Join `group` as a member hosted by the node at `address`."""
-        channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        channel = aio_channel(address, tls, CHANNEL_OPTIONS)
         stub = group_pb2_grpc.GroupServiceStub(channel)
         call: Any = stub.Join(group_pb2.JoinRequest(group=group))
         try:
