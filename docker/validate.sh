@@ -113,7 +113,7 @@ node=$(cat "$work/run/node1.addr")
 "$venv/bin/python" "$here/healthcheck.py" "$coordinator"
 "$venv/bin/python" "$here/healthcheck.py" "$node"
 echo "healthcheck.py: coordinator $coordinator and node $node healthy"
-status=$("$venv/bin/ringqctl" --coordinator "$coordinator" --json cluster_status)
+status=$("$venv/bin/ringqctl" --node "$node" --json cluster_status)
 grep -q '"node1"' <<<"$status" || { echo "node1 did not register: $status" >&2; exit 1; }
 echo "ringqctl cluster_status lists node1"
 

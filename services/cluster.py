@@ -106,6 +106,11 @@ class ClusterInfo:
         return self.directory / TLS_DIR
 
     @property
+    def node_addresses(self) -> list[str]:
+        """Where clients reach the nodes, in start order."""
+        return [node.address for node in self.nodes]
+
+    @property
     def processes(self) -> tuple[ProcessInfo, ...]:
         """The coordinator, then the nodes in start order."""
         return (self.coordinator, *self.nodes)

@@ -85,7 +85,7 @@ async def _traffic(directory: Path, seconds: float) -> tuple[str, float | None]:
         f"cluster up: coordinator {info.coordinator.address} (SQLite), "
         + ", ".join(f"{n.name} {n.address}" for n in info.nodes)
     )
-    admin = aio.Admin(info.coordinator.address)
+    admin = aio.Admin(info.node_addresses)
     await admin.set_policy("demo-ha", "^demo\\.", {"ha-mode": "all", "ha-sync-mode": "automatic"})
     await admin.close()
     await asyncio.sleep(2.0)  # every node's heartbeat has reached the coordinator

@@ -40,8 +40,9 @@ import grpc
 
 from ringq import tracing
 from ringq.keepalive import SERVER_KEEPALIVE
-from ringq.v1 import group_pb2, group_pb2_grpc, peer_pb2, peer_pb2_grpc, queue_pb2_grpc
+from ringq.v1 import admin_pb2_grpc, group_pb2, group_pb2_grpc, peer_pb2, peer_pb2_grpc, queue_pb2_grpc
 from services import tls as tls_flags
+from services.admin_service import AdminServicer
 from services.arguments import OneLineParser, address_argument, addresses_argument, node_id_argument
 from services.coordinator.client import CoordinatorClient
 from services.coordinator.convert import group_from_proto, group_to_proto
@@ -103,6 +104,8 @@ SLOW_JOIN_NOTE_SECONDS = 5.0
 # least one payload), so one flush of many large payloads becomes several events.
 MAX_DELIVERY_EVENT_BYTES = 4 * 1024 * 1024
 JOIN_ATTEMPTS = 5
+# How long an administration call waits for a coordinator that does not answer.
+ADMIN_RETRY_SECONDS = 5.0
 # A node sending ring messages in another's name is logged at most this often.
 IMPOSTOR_NOTE_SECONDS = 60.0
 # RabbitMQ's default disk_free_limit: enough room to write a few more batches and the logs.
@@ -633,6 +636,9 @@ async def serve(
         node.id, queues, client, node.address_of, node.peer_channel, node.memory.wait_clear, address
     )
     queue_pb2_grpc.add_QueueServiceServicer_to_server(queue_servicer, client_server)
+    # Administration for clients: answered from the coordinator, retried for as long as a client waits.
+    admin = CoordinatorClient(coordinator, retry_seconds=ADMIN_RETRY_SECONDS, dialer=dialer)
+    admin_pb2_grpc.add_AdminServiceServicer_to_server(AdminServicer(admin), client_server)
     if cluster_server is not client_server:
         # Relayed queue calls come from other nodes, on the cluster port.
         queue_pb2_grpc.add_QueueServiceServicer_to_server(queue_servicer, cluster_server)
@@ -657,6 +663,7 @@ async def serve(
     await stop.wait()
     await queues.stop()
     await node.stop()
+    await admin.close()
     await client_server.stop(grace=1.0)
     if cluster_server is not client_server:
         await cluster_server.stop(grace=1.0)

@@ -24,20 +24,20 @@ HA_ALL: Mapping[str, tuple[str, Mapping[str, Any]]] = {
 LIVE_WITHIN_SECONDS = 20.0
 
 
-def await_every_node_live(coordinator_address: str, nodes: int) -> None:
-    """Return once the coordinator counts `nodes` nodes live (so placement sees them all)."""
-    with ringq.Admin(coordinator_address) as admin:
+def await_every_node_live(info: cluster.ClusterInfo) -> None:
+    """Return once the coordinator counts every node of `info` live (so placement sees them all)."""
+    with ringq.Admin(info.node_addresses) as admin:
         deadline = time.monotonic() + LIVE_WITHIN_SECONDS
-        while sum(node.alive for node in admin.cluster_status().nodes) < nodes:
+        while sum(node.alive for node in admin.cluster_status().nodes) < len(info.nodes):
             assert time.monotonic() < deadline, f"not every node was live within {LIVE_WITHIN_SECONDS:g} s"
             time.sleep(0.05)
 
 
-async def every_node_live(coordinator_address: str, nodes: int) -> None:
-    """Return once the coordinator counts `nodes` nodes live (so placement sees them all)."""
-    async with aio.Admin(coordinator_address) as admin:
+async def every_node_live(info: cluster.ClusterInfo) -> None:
+    """Return once the coordinator counts every node of `info` live (so placement sees them all)."""
+    async with aio.Admin(info.node_addresses) as admin:
         deadline = time.monotonic() + LIVE_WITHIN_SECONDS
-        while sum(node.alive for node in (await admin.cluster_status()).nodes) < nodes:
+        while sum(node.alive for node in (await admin.cluster_status()).nodes) < len(info.nodes):
             assert time.monotonic() < deadline, f"not every node was live within {LIVE_WITHIN_SECONDS:g} s"
             await asyncio.sleep(0.05)
 
@@ -53,10 +53,10 @@ def live_cluster(
     each node started with `node_args`; yields once the coordinator counts every node live."""
     info = cluster.up(nodes, directory, node_args=node_args)
     try:
-        with ringq.Admin(info.coordinator.address) as admin:
+        with ringq.Admin(info.node_addresses) as admin:
             for name, (pattern, definition) in policies.items():
                 admin.set_policy(name, pattern, definition)
-        await_every_node_live(info.coordinator.address, nodes)
+        await_every_node_live(info)
         yield info
     finally:
         cluster.down(directory)

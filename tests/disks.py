@@ -133,10 +133,10 @@ async def start_cluster(directory: Path, node_args: Sequence[str]) -> cluster.Cl
     """Three nodes and a coordinator in `directory`, queues named ha.* mirrored on every node and synced
     automatically; returns once the coordinator counts every node live (so placement sees them all)."""
     info = cluster.up(3, directory, node_args=list(node_args))
-    async with aio.Admin(info.coordinator.address) as admin:
+    async with aio.Admin(info.node_addresses) as admin:
         for name, (pattern, definition) in HA_ALL.items():
             await admin.set_policy(name, pattern, definition)
-    await every_node_live(info.coordinator.address, len(info.nodes))
+    await every_node_live(info)
     return info
 
 

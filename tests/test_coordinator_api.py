@@ -7,7 +7,6 @@ import asyncio
 import json
 import subprocess
 import sys
-import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -15,6 +14,7 @@ from typing import Any
 import grpc
 
 from ringq.v1 import coordinator_pb2, coordinator_pb2_grpc
+from services import cluster
 from services.coordinator.server import create_server
 from services.coordinator.sqlite_store import SqliteStore
 
@@ -201,35 +201,16 @@ def test_cluster_status_shows_liveness_coordinators_and_store(tmp_path: Path) ->
 # ------------------------------------------------------------------------------------------------ ringqctl
 
 
-def ringqctl(coordinator: str, *args: str) -> subprocess.CompletedProcess[str]:
-    command = [sys.executable, "-m", "ringq.ctl", "--coordinator", coordinator, *args]
+def ringqctl(node: str, *args: str) -> subprocess.CompletedProcess[str]:
+    command = [sys.executable, "-m", "ringq.ctl", "--node", node, *args]
     return subprocess.run(command, capture_output=True, text=True, timeout=30, stdin=subprocess.DEVNULL)
 
 
-def test_ringqctl_administers_a_live_coordinator(tmp_path: Path) -> None:
-    ready = tmp_path / "ready"
-    log = (tmp_path / "coordinator.log").open("wb")
-    process = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "services.coordinator",
-            "--listen",
-            "127.0.0.1:0",
-            "--db",
-            str(tmp_path / "c.db"),
-            "--ready-file",
-            str(ready),
-        ],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
+def test_ringqctl_administers_the_cluster_through_a_node(tmp_path: Path) -> None:
+    """Every cluster command goes to a node's AdminService, which answers from the coordinator."""
+    info = cluster.up(1, tmp_path / "cluster")
     try:
-        deadline = time.monotonic() + 20
-        while not ready.exists():
-            assert process.poll() is None and time.monotonic() < deadline, "the coordinator did not start"
-            time.sleep(0.05)
-        address = ready.read_text().strip()
+        address = info.nodes[0].address
         result = ringqctl(
             address, "set_policy", "ha-two", "^ha\\.", '{"ha-mode":"exactly","ha-params":2}', "--priority", "3"
         )
@@ -255,5 +236,4 @@ def test_ringqctl_administers_a_live_coordinator(tmp_path: Path) -> None:
         assert nobody.returncode == 1 and nobody.stderr.count("\n") == 1, nobody.stderr
         assert nobody.stderr.startswith("ringqctl: NOT_FOUND"), nobody.stderr
     finally:
-        process.terminate()
-        process.wait(10)
+        cluster.down(info.directory)

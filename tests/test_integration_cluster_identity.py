@@ -58,18 +58,11 @@ def _coordinator(info: cluster.ClusterInfo, as_node: str = "node3") -> grpc.aio.
 
 
 async def _prepare(info: cluster.ClusterInfo) -> None:
-    """Mirror ha.* on every node (set as a node would relay it) and wait until every node is live."""
-    async with _coordinator(info) as channel:
-        stub = coordinator_pb2_grpc.CoordinatorServiceStub(channel)
-        policy = coordinator_pb2.Policy(
-            vhost="/", name="ha", pattern="^ha\\.", definition_json='{"ha-mode": "all", "ha-sync-mode": "automatic"}'
-        )
-        await stub.SetPolicy(coordinator_pb2.SetPolicyRequest(policy=policy), timeout=WAIT)
+    """Mirror ha.* on every node (ringq's Admin, over TLS to a node) and wait until every node is live."""
+    async with aio.Admin(info.node_addresses, tls=_client_tls(info), timeout=WAIT) as admin:
+        await admin.set_policy("ha", "^ha\\.", {"ha-mode": "all", "ha-sync-mode": "automatic"})
         deadline = time.monotonic() + WAIT
-        while True:
-            status = await stub.ClusterStatus(coordinator_pb2.ClusterStatusRequest(), timeout=WAIT)
-            if sum(node.alive for node in status.nodes) == 3:
-                break
+        while sum(node.alive for node in (await admin.cluster_status()).nodes) < 3:
             assert time.monotonic() < deadline, "not every node was live"
             await asyncio.sleep(0.05)
     addresses = [node.address for node in info.nodes]
@@ -227,7 +220,7 @@ def test_a_node_cannot_speak_for_another_node(secure: cluster.ClusterInfo) -> No
             stub = coordinator_pb2_grpc.CoordinatorServiceStub(channel)
             current = await stub.ReadGroup(coordinator_pb2.ReadGroupRequest(group=group), timeout=WAIT)
             version = current.group.version
-            calls = [
+            calls: list[tuple[Any, grpc.StatusCode]] = [
                 (
                     stub.MarkMemberDead(
                         coordinator_pb2.MarkMemberDeadRequest(

@@ -87,7 +87,7 @@ async def _serving(client: aio.Connection, queue: str) -> bool:
 
 
 async def _gm_groups(info: cluster.ClusterInfo) -> dict[str, str]:
-    admin = aio.Admin(info.coordinator.address)
+    admin = aio.Admin(info.node_addresses)
     try:
         return {record.name: record.gm_group for record in await admin.list_queues()}
     finally:
@@ -410,7 +410,7 @@ def _alarm(node: dict[str, object]) -> bool:
 
 async def _below_the_disk_free_limit(directory: Path) -> dict[str, float]:
     info = await start_cluster(directory, [DISK_FREE_LIMIT_FLAG, str(LIMIT_MIB)])
-    admin = aio.Admin(info.coordinator.address)
+    admin = aio.Admin(info.node_addresses)
 
     async def alarm_on_node1() -> bool:
         status = json_format.MessageToDict(await admin.cluster_status())

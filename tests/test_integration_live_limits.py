@@ -28,7 +28,7 @@ def test_a_policy_limit_set_and_cleared_reaches_a_running_queue(tmp_path: Path) 
 
         async def scenario() -> None:
             connection = aio.Connection([info.nodes[0].address], retry_for=10)
-            async with connection, aio.Admin(info.coordinator.address) as admin:
+            async with connection, aio.Admin(info.node_addresses) as admin:
                 await connection.declare_queue("capped.q")
                 producer = connection.producer("capped.q")
                 await producer.publish_many([b"%d" % i for i in range(10)])

@@ -297,7 +297,7 @@ async def _restart_master_first(
     for name in ports:
         cluster.kill(directory, name, signal.SIGKILL)
     cluster.start_node(directory, master, port=ports[master])
-    admin = aio.Admin(cluster.load(directory).coordinator.address)
+    admin = aio.Admin(cluster.load(directory).node_addresses)
     await _eventually(
         lambda: _queue_record(admin, queue),
         lambda record: master in record.recovery_positions,
@@ -324,7 +324,7 @@ async def _restart_every_node(directory: Path, info: cluster.ClusterInfo) -> Non
     queue = "ha.restarted"
     client = _connection(info, "node1", "node2", "node3")
     master = (await _declared_and_synchronised(client, queue, durable=True)).master_node
-    admin = aio.Admin(coordinator)
+    admin = aio.Admin(info.node_addresses)
     group = (await _queue_record(admin, queue)).gm_group
     history = _GroupHistory(coordinator, group)
     # Each node comes back on its address of before, as a restarted server does: peers' channels to it
@@ -373,7 +373,7 @@ def test_a_whole_cluster_restart_records_no_live_member_dead(tmp_path: Path) -> 
 
 async def _struck_mirror_returns(directory: Path, info: cluster.ClusterInfo) -> None:
     queue = "ha.struck"
-    admin = aio.Admin(info.coordinator.address)
+    admin = aio.Admin(info.node_addresses)
     first = _connection(info, "node1")
     await first.declare_queue(queue)  # on node1 and node2, the nodes live now
     await first.close()

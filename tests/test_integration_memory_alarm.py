@@ -49,7 +49,7 @@ def test_a_fast_producer_is_blocked_at_the_watermark_and_resumes_after_a_drain(t
 
         async def scenario() -> None:
             connection = aio.Connection([node.address], retry_for=120)
-            async with connection, aio.Admin(info.coordinator.address) as admin:
+            async with connection, aio.Admin(info.node_addresses) as admin:
                 await connection.declare_queue("flood")
                 producer = connection.producer("flood", window=2000, batch=100)
                 published = 0

@@ -40,7 +40,7 @@ async def _policy(info: cluster.ClusterInfo, definition: dict[str, object]) -> N
 async def _unsynchronised_mirrors(directory: Path, promote: str) -> tuple[cluster.ClusterInfo, aio.Connection]:
     info = cluster.up(3, directory, node_args=NODE_ARGS)
     await _policy(info, {"ha-mode": "exactly", "ha-params": 1})  # master only
-    await every_node_live(info.coordinator.address, len(info.nodes))
+    await every_node_live(info)
     by_name = {n.name: n.address for n in info.nodes}
     client = aio.Connection([by_name["node1"], by_name["node2"], by_name["node3"]])
     await client.declare_queue("ha.q", durable=True)

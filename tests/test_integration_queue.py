@@ -39,7 +39,7 @@ async def _start(directory: Path, node_args: list[str] | None = None) -> cluster
     async with grpc.aio.insecure_channel(info.coordinator.address) as channel:
         stub = coordinator_pb2_grpc.CoordinatorServiceStub(channel)
         await stub.SetPolicy(coordinator_pb2.SetPolicyRequest(policy=policy))
-    await every_node_live(info.coordinator.address, len(info.nodes))
+    await every_node_live(info)
     return info
 
 

@@ -43,7 +43,7 @@ def nodes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[str]]:
                     vhost="/", name=name, pattern=pattern, definition_json=json.dumps(definition)
                 )
                 await stub.SetPolicy(coordinator_pb2.SetPolicyRequest(policy=policy))
-        await every_node_live(info.coordinator.address, len(info.nodes))
+        await every_node_live(info)
 
     asyncio.run(setup())
     try:

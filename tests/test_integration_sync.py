@@ -44,7 +44,7 @@ async def _wait(condition: object, what: str, timeout: float = 60) -> None:
 async def _scenario(directory: Path) -> dict[str, float]:
     info = cluster.up(3, directory, node_args=NODE_ARGS)
     await _policy(info, {"ha-mode": "exactly", "ha-params": 2, "ha-sync-mode": "automatic"})
-    await every_node_live(info.coordinator.address, len(info.nodes))
+    await every_node_live(info)
     client = aio.Connection([n.address for n in info.nodes])
     await client.declare_queue("ha.sync")
 

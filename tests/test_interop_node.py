@@ -85,7 +85,7 @@ def addresses(node: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[l
         async with grpc.aio.insecure_channel(info.coordinator.address) as channel:
             stub = coordinator_pb2_grpc.CoordinatorServiceStub(channel)
             await stub.SetPolicy(coordinator_pb2.SetPolicyRequest(policy=policy))
-        await every_node_live(info.coordinator.address, len(info.nodes))
+        await every_node_live(info)
 
     try:
         asyncio.run(setup())

@@ -121,7 +121,7 @@ async def _members(coordinator: str, group: str) -> list[list[Any]]:
 async def _setup(coordinator: str, nodes: list[str]) -> dict[str, Any]:
     """Mirror ha.* on every node, wait until every node is live, declare the queue through the first node,
     wait until both mirrors are synchronised."""
-    admin = aio.Admin(coordinator)
+    admin = aio.Admin(nodes)
     await admin.set_policy("ha", "^ha\\.", HA_POLICY)
     deadline = time.monotonic() + 30
     while sum(n.alive for n in (await admin.cluster_status()).nodes) < len(nodes):

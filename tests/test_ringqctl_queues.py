@@ -32,7 +32,7 @@ def info(tmp_path_factory: pytest.TempPathFactory) -> Iterator[cluster.ClusterIn
     directory = tmp_path_factory.mktemp("ringqctl")
     try:
         started = cluster.up(3, directory, node_args=NODE_ARGS)
-        await_every_node_live(started.coordinator.address, len(started.nodes))
+        await_every_node_live(started)
         yield started
     finally:
         cluster.down(directory)
@@ -50,7 +50,8 @@ def ctl(info: cluster.ClusterInfo, *args: str, node_env: str | None = None) -> s
     env = {k: v for k, v in os.environ.items() if k not in ("RINGQ_NODE", "RINGQ_COORDINATOR")}
     if node_env is not None:
         env["RINGQ_NODE"] = node_env
-    command = [sys.executable, "-m", "ringq.ctl", "--coordinator", info.coordinator.address, *args]
+    nodes = [] if node_env is not None else ["--node", ",".join(info.node_addresses)]
+    command = [sys.executable, "-m", "ringq.ctl", *nodes, *args]
     return subprocess.run(command, capture_output=True, text=True, timeout=30, stdin=subprocess.DEVNULL, env=env)
 
 
@@ -180,14 +181,10 @@ def test_errors_and_nodes_tried_in_turn(info: cluster.ClusterInfo, dead_address:
     either = f"{dead_address},{info.nodes[1].address}"
     assert as_json(info, "--node", either, "declare_queue", "strict", "--durable")["queue"]["queue"] == "strict"
     assert queue_entry(info, "strict", node_env=either)["status"] == "running"
-    # no node answers: the coordinator's columns stay, the node's are "-", with a warning
-    entry = queue_entry(info, "strict", "--node", dead_address)
-    assert entry["master"] and entry["depth"] is None and entry["status"] is None
-    assert entry["status_error"].startswith("UNAVAILABLE: ")
-    result = ctl(info, "list_queues", node_env=dead_address)
-    assert result.returncode == 0 and result.stderr.startswith("ringqctl: warning: no status for 1 of 1 queue(s)")
-    assert table_row(result.stdout, "strict")[-5:] == ["-", "-", "-", "-", "-"]
-    assert as_json(info, "list_consumers", node_env=dead_address)["queues"][0]["consumers"] is None
+    # no node answers: one line saying so (ringqctl never asks the coordinator itself)
+    failed(info, "--node", dead_address, "list_queues", code="UNAVAILABLE")
+    result = ctl(info, "list_consumers", node_env=dead_address)
+    assert result.returncode == 1 and result.stderr.startswith("ringqctl: UNAVAILABLE: "), result.stderr
     failed(info, "--node", dead_address, "delete_queue", "strict", code="UNAVAILABLE")
     ok(info, "delete_queue", "strict")
 

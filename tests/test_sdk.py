@@ -155,7 +155,7 @@ def test_errors_are_grpc_statuses(sdk_cluster: cluster.ClusterInfo) -> None:
 
 
 def test_admin_lists_policies_queues_and_cluster(sdk_cluster: cluster.ClusterInfo) -> None:
-    admin = ringq.Admin(sdk_cluster.coordinator.address)
+    admin = ringq.Admin(sdk_cluster.node_addresses)
     try:
         admin.set_policy("ttl", "^ttl\\.", {"message-ttl": 1000}, priority=2)
         assert {p.name for p in admin.list_policies()} >= {"ha", "ttl"}

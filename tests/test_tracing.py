@@ -38,10 +38,10 @@ def test_one_message_one_trace_across_processes(traced_cluster: tuple[cluster.Cl
     assert tracing.configure("ringq-client", "client", str(directory))
 
     async def scenario() -> None:
-        admin = aio.Admin(info.coordinator.address)
+        admin = aio.Admin(info.node_addresses)
         await admin.set_policy("ha", "^ha\\.", {"ha-mode": "all", "ha-sync-mode": "automatic"})
         await admin.close()
-        await every_node_live(info.coordinator.address, len(info.nodes))  # the queue is placed on all three
+        await every_node_live(info)  # the queue is placed on all three
         async with aio.Connection([n.address for n in info.nodes]) as connection:
             await connection.declare_queue("ha.traced")
             deadline = time.monotonic() + 20

@@ -198,6 +198,12 @@ class CoordinatorClient:
     ) -> None:
         await self.close()
 
+    async def call(
+        self, method: Callable[[Stub], grpc.aio.UnaryUnaryMultiCallable[_Req, _Resp]], request: _Req
+    ) -> _Resp:
+        """Any unary RPC (`lambda stub: stub.Method`), retried across coordinators like the rest."""
+        return await self._call(method, request)
+
     async def _call(
         self, method: Callable[[Stub], grpc.aio.UnaryUnaryMultiCallable[_Req, _Resp]], request: _Req
     ) -> _Resp:

@@ -53,7 +53,7 @@ from ringq import tracing
 from ringq.history import History
 from ringq.keepalive import CHANNEL_KEEPALIVE
 from ringq.security import TLS, aio_channel
-from ringq.v1 import coordinator_pb2, coordinator_pb2_grpc, queue_pb2, queue_pb2_grpc
+from ringq.v1 import admin_pb2_grpc, coordinator_pb2, queue_pb2, queue_pb2_grpc
 
 CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", 64 * 1024 * 1024),
@@ -706,16 +706,23 @@ class Consumer:
 
 
 class Admin:
-    """Policies and cluster status, through the coordinator(s); queues through `Connection`.
+    """Policies and cluster status through any broker node's AdminService; queues through `Connection`.
 
-    admin = Admin(["127.0.0.1:7000"])
+    admin = Admin(["127.0.0.1:7101", "127.0.0.1:7102"])
     await admin.set_policy("ha-two", "^ha\\.", {"ha-mode": "exactly", "ha-params": 2})
+
+    Each call goes to the first node that answers, in the order given. `tls` as for `Connection`.
     """
 
-    def __init__(self, coordinators: Sequence[str] | str, *, vhost: str = "/", timeout: float = 5.0) -> None:
-        self.addresses = [coordinators] if isinstance(coordinators, str) else list(coordinators)
+    def __init__(
+        self, nodes: Sequence[str] | str, *, vhost: str = "/", timeout: float = 5.0, tls: TLS | None = None
+    ) -> None:
+        self.addresses = [nodes] if isinstance(nodes, str) else list(nodes)
+        if not self.addresses:
+            raise ValueError("Admin needs at least one node address")
         self.vhost = vhost
         self.timeout = timeout
+        self.tls = tls
         self._channels: dict[str, grpc.aio.Channel] = {}
 
     async def __aenter__(self) -> Admin:
@@ -729,8 +736,8 @@ class Admin:
         for address in self.addresses:
             channel = self._channels.get(address)
             if channel is None:
-                channel = self._channels[address] = grpc.aio.insecure_channel(address, options=CHANNEL_KEEPALIVE)
-            stub = coordinator_pb2_grpc.CoordinatorServiceStub(channel)
+                channel = self._channels[address] = aio_channel(address, self.tls, CHANNEL_KEEPALIVE)
+            stub = admin_pb2_grpc.AdminServiceStub(channel)
             try:
                 return await getattr(stub, method)(request, timeout=self.timeout)
             except grpc.aio.AioRpcError as error:

@@ -171,8 +171,8 @@ class Consumer:
 class Admin:
     """Blocking admin of policies and the cluster; see ringq.aio.Admin."""
 
-    def __init__(self, coordinators: Sequence[str] | str, **options: Any) -> None:
-        self.aio: aio.Admin = _run(_made(lambda: aio.Admin(coordinators, **options)))
+    def __init__(self, nodes: Sequence[str] | str, **options: Any) -> None:
+        self.aio: aio.Admin = _run(_made(lambda: aio.Admin(nodes, **options)))
 
     def __enter__(self) -> Admin:
         return self

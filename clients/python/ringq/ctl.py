@@ -1,20 +1,21 @@
-"""`ringqctl`: administer a ringq cluster through its coordinator and its nodes.
+"""`ringqctl`: administer a ringq cluster through its broker nodes.
 
-    ringqctl [--coordinator HOST:PORT[,HOST:PORT...]] [--node HOST:PORT[,HOST:PORT...]] [--json] COMMAND ...
+    ringqctl [--node HOST:PORT[,HOST:PORT...]] [--tls-ca PEM] [--json] COMMAND ...
 
-Coordinator commands: cluster_status, drain_node, undrain_node, set_policy,
-clear_policy, list_policies, list_leases. Queue commands, sent to a broker node's QueueService (which
-forwards them to the queue's master): declare_queue, delete_queue,
-purge_queue, sync_queue, cancel_sync_queue. list_queues and list_consumers
-take the queues from the coordinator and their depth, consumers and status
-from a node.
+Cluster commands, sent to a node's AdminService (which answers from the
+coordinator): cluster_status, drain_node, undrain_node, set_policy,
+clear_policy, list_policies, list_leases. Queue commands, sent to a node's
+QueueService (which forwards them to the queue's master): declare_queue,
+delete_queue, purge_queue, sync_queue, cancel_sync_queue. list_queues and
+list_consumers take the queues from AdminService and their depth, consumers
+and status from QueueService. ringqctl never calls the coordinator, whose
+port serves only cluster members.
 
 Human tables by default, `--json` for scripts (protobuf's JSON mapping, so
 64-bit counts are strings). Errors print one line with the gRPC status and
-message and exit 1; usage errors exit 2. With several coordinators, each is
-tried in turn; so are several nodes, on UNAVAILABLE. Nodes are those of
-`--node`, else $RINGQ_NODE, else the live nodes of the coordinator's
-ClusterStatus (the first one first).
+message and exit 1; usage errors exit 2. Nodes are those of `--node`, else
+$RINGQ_NODE, else 127.0.0.1:7100; each is tried in turn on UNAVAILABLE.
+`--tls-ca` (or $RINGQ_TLS_CA) reaches them over TLS, trusting that CA.
 """
 
 from __future__ import annotations
@@ -31,10 +32,12 @@ from typing import Any, Literal, NoReturn, TypeVar
 import grpc
 from google.protobuf import json_format
 
-from ringq.v1 import coordinator_pb2, coordinator_pb2_grpc, queue_pb2, queue_pb2_grpc
+from ringq.security import TLS, channel
+from ringq.v1 import admin_pb2_grpc, coordinator_pb2, queue_pb2, queue_pb2_grpc
 
-DEFAULT_COORDINATOR = os.environ.get("RINGQ_COORDINATOR", "127.0.0.1:7000")
+DEFAULT_NODE = "127.0.0.1:7100"
 NODE_ENV = "RINGQ_NODE"
+TLS_CA_ENV = "RINGQ_TLS_CA"
 T = TypeVar("T")
 Req = TypeVar("Req")
 Resp = TypeVar("Resp")
@@ -54,20 +57,19 @@ class Failure(Exception):
         self.message = message
 
 
-class Coordinators:
-    """Calls the first coordinator that answers, in the order given."""
+class Admin:
+    """AdminService calls on the first node that answers, in the order given."""
 
-    def __init__(self, addresses: Sequence[str], timeout: float = 5.0) -> None:
+    def __init__(self, addresses: Sequence[str], timeout: float = 5.0, tls: TLS | None = None) -> None:
         self.addresses = list(addresses)
         self.timeout = timeout
+        self.tls = tls
 
-    def call(
-        self, method: Callable[[coordinator_pb2_grpc.CoordinatorServiceStub], Callable[..., T]], request: Any
-    ) -> T:
+    def call(self, method: Callable[[admin_pb2_grpc.AdminServiceStub], Callable[..., T]], request: Any) -> T:
         last: grpc.RpcError | None = None
         for address in self.addresses:
-            with grpc.insecure_channel(address) as channel:
-                stub = coordinator_pb2_grpc.CoordinatorServiceStub(channel)
+            with channel(address, self.tls) as open_channel:
+                stub = admin_pb2_grpc.AdminServiceStub(open_channel)
                 try:
                     return method(stub)(request, timeout=self.timeout)
                 except grpc.RpcError as error:
@@ -85,10 +87,11 @@ class Nodes:
     also moves on after DEADLINE_EXCEEDED, which is how an address that never answers shows up.
     """
 
-    def __init__(self, resolve: Callable[[], list[str]], timeout: float = 5.0) -> None:
+    def __init__(self, resolve: Callable[[], list[str]], timeout: float = 5.0, tls: TLS | None = None) -> None:
         self._resolve = resolve
         self._addresses: list[str] | None = None
         self.timeout = timeout
+        self.tls = tls
         self._channels: dict[str, grpc.Channel] = {}
 
     @property
@@ -99,7 +102,7 @@ class Nodes:
 
     def _stub(self, address: str) -> queue_pb2_grpc.QueueServiceStub:
         if address not in self._channels:
-            self._channels[address] = grpc.insecure_channel(address)
+            self._channels[address] = channel(address, self.tls)
         return queue_pb2_grpc.QueueServiceStub(self._channels[address])
 
     def call(
@@ -145,8 +148,8 @@ class Nodes:
         return done
 
     def close(self) -> None:
-        for channel in self._channels.values():
-            channel.close()
+        for open_channel in self._channels.values():
+            open_channel.close()
         self._channels.clear()
 
 
@@ -163,21 +166,10 @@ def _split_addresses(text: str) -> list[str]:
     return [a.strip() for a in text.split(",") if a.strip()]
 
 
-def _live_nodes(c: Coordinators) -> list[str]:
-    status = c.call(lambda s: s.ClusterStatus, coordinator_pb2.ClusterStatusRequest())
-    live = [n.address for n in status.nodes if n.alive and n.address]
-    if not live:
-        raise Failure(
-            grpc.StatusCode.UNAVAILABLE,
-            f"the coordinator knows no live node; give one with --node HOST:PORT or ${NODE_ENV}",
-        )
-    return live
-
-
 @contextmanager
-def _nodes(c: Coordinators, args: argparse.Namespace) -> Iterator[Nodes]:
+def _nodes(c: Admin, args: argparse.Namespace) -> Iterator[Nodes]:
     given: list[str] = args.nodes
-    nodes = Nodes((lambda: list(given)) if given else (lambda: _live_nodes(c)), args.timeout)
+    nodes = Nodes(lambda: list(given), args.timeout, c.tls)
     try:
         yield nodes
     finally:
@@ -261,7 +253,7 @@ def _alarm_columns(node: coordinator_pb2.NodeRecord, figure: _SizeField, bound: 
     return [size(figure, "0 MiB"), size(bound, "none"), "ALARM" if alarm else "no"]
 
 
-def cluster_status(c: Coordinators, args: argparse.Namespace) -> tuple[Any, str]:
+def cluster_status(c: Admin, args: argparse.Namespace) -> tuple[Any, str]:
     status = c.call(lambda s: s.ClusterStatus, coordinator_pb2.ClusterStatusRequest())
     now = time.time() * 1000
     rows = [
@@ -284,19 +276,19 @@ def cluster_status(c: Coordinators, args: argparse.Namespace) -> tuple[Any, str]
     return _as_json(status), text
 
 
-def drain_node(c: Coordinators, args: argparse.Namespace) -> tuple[Any, str]:
+def drain_node(c: Admin, args: argparse.Namespace) -> tuple[Any, str]:
     request = coordinator_pb2.SetNodeDrainingRequest(node=args.node_id, draining=True)
     response = c.call(lambda s: s.SetNodeDraining, request)
     return _as_json(response), f"node {args.node_id!r} is draining: no new replicas are placed on it"
 
 
-def undrain_node(c: Coordinators, args: argparse.Namespace) -> tuple[Any, str]:
+def undrain_node(c: Admin, args: argparse.Namespace) -> tuple[Any, str]:
     request = coordinator_pb2.SetNodeDrainingRequest(node=args.node_id, draining=False)
     response = c.call(lambda s: s.SetNodeDraining, request)
     return _as_json(response), f"node {args.node_id!r} takes new replicas again"
 
 
-def set_policy(c: Coordinators, args: argparse.Namespace) -> tuple[Any, str]:
+def set_policy(c: Admin, args: argparse.Namespace) -> tuple[Any, str]:
     policy = coordinator_pb2.Policy(
         vhost=args.vhost,
         name=args.name,
@@ -311,13 +303,13 @@ def set_policy(c: Coordinators, args: argparse.Namespace) -> tuple[Any, str]:
     ), f"policy {args.name!r} set in vhost {args.vhost!r}; {response.queues_changed} queue(s) changed"
 
 
-def clear_policy(c: Coordinators, args: argparse.Namespace) -> tuple[Any, str]:
+def clear_policy(c: Admin, args: argparse.Namespace) -> tuple[Any, str]:
     request = coordinator_pb2.ClearPolicyRequest(vhost=args.vhost, name=args.name)
     response = c.call(lambda s: s.ClearPolicy, request)
     return _as_json(response), f"policy {args.name!r} cleared; {response.queues_changed} queue(s) changed"
 
 
-def list_policies(c: Coordinators, args: argparse.Namespace) -> tuple[Any, str]:
+def list_policies(c: Admin, args: argparse.Namespace) -> tuple[Any, str]:
     response = c.call(lambda s: s.ListPolicies, coordinator_pb2.ListPoliciesRequest(vhost=args.vhost or ""))
     rows = [
         [p.vhost, p.name, p.pattern, p.apply_to, str(p.priority), _definition_text(p.definition_json)]
@@ -326,7 +318,7 @@ def list_policies(c: Coordinators, args: argparse.Namespace) -> tuple[Any, str]:
     return _as_json(response), _table(rows, ["vhost", "name", "pattern", "apply-to", "priority", "definition"])
 
 
-def list_leases(c: Coordinators, args: argparse.Namespace) -> tuple[Any, str]:
+def list_leases(c: Admin, args: argparse.Namespace) -> tuple[Any, str]:
     response = c.call(lambda s: s.ListLeases, coordinator_pb2.ListLeasesRequest())
     now = time.time() * 1000
     rows = [
@@ -345,7 +337,7 @@ def list_leases(c: Coordinators, args: argparse.Namespace) -> tuple[Any, str]:
 
 
 def _statuses(
-    c: Coordinators, args: argparse.Namespace, queues: Sequence[coordinator_pb2.QueueRecord]
+    c: Admin, args: argparse.Namespace, queues: Sequence[coordinator_pb2.QueueRecord]
 ) -> list[queue_pb2.QueueInfo | str]:
     """QueueStatus of each queue from a node: the QueueInfo, or the error as "CODE: message"."""
     if not queues:
@@ -383,7 +375,7 @@ def _recent_events(info: queue_pb2.QueueInfo) -> str:
     return ", ".join(f"{event.kind}@{event.node}" for event in info.events[-_EVENTS_SHOWN:]) or "-"
 
 
-def list_queues(c: Coordinators, args: argparse.Namespace) -> tuple[Any, str]:
+def list_queues(c: Admin, args: argparse.Namespace) -> tuple[Any, str]:
     response = c.call(lambda s: s.ListQueues, coordinator_pb2.ListQueuesRequest(vhost=args.vhost or ""))
     statuses = _statuses(c, args, response.queues)
     rows = []
@@ -417,7 +409,7 @@ def list_queues(c: Coordinators, args: argparse.Namespace) -> tuple[Any, str]:
     return {"queues": entries}, _table(rows, headers)
 
 
-def list_consumers(c: Coordinators, args: argparse.Namespace) -> tuple[Any, str]:
+def list_consumers(c: Admin, args: argparse.Namespace) -> tuple[Any, str]:
     response = c.call(lambda s: s.ListQueues, coordinator_pb2.ListQueuesRequest(vhost=args.vhost or ""))
     statuses = _statuses(c, args, response.queues)
     entries: list[dict[str, Any]] = []
@@ -438,7 +430,7 @@ def list_consumers(c: Coordinators, args: argparse.Namespace) -> tuple[Any, str]
 # ------------------------------------------------------------------------------------------ queue commands
 
 
-def declare_queue(c: Coordinators, args: argparse.Namespace) -> tuple[Any, str]:
+def declare_queue(c: Admin, args: argparse.Namespace) -> tuple[Any, str]:
     request = queue_pb2.QueueDeclareRequest(
         queue=_queue_ref(args), durable=args.durable, auto_delete=args.auto_delete, arguments=dict(args.arguments)
     )
@@ -447,7 +439,7 @@ def declare_queue(c: Coordinators, args: argparse.Namespace) -> tuple[Any, str]:
     return _as_json(info), f"queue {args.name!r} declared in vhost {args.vhost!r}\n{_info_text(info)}"
 
 
-def delete_queue(c: Coordinators, args: argparse.Namespace) -> tuple[Any, str]:
+def delete_queue(c: Admin, args: argparse.Namespace) -> tuple[Any, str]:
     request = queue_pb2.QueueDeleteRequest(queue=_queue_ref(args), if_unused=args.if_unused, if_empty=args.if_empty)
     with _nodes(c, args) as nodes:
         response = nodes.call(lambda s: s.DeleteQueue, request)
@@ -455,14 +447,14 @@ def delete_queue(c: Coordinators, args: argparse.Namespace) -> tuple[Any, str]:
     return _as_json(response), text
 
 
-def purge_queue(c: Coordinators, args: argparse.Namespace) -> tuple[Any, str]:
+def purge_queue(c: Admin, args: argparse.Namespace) -> tuple[Any, str]:
     with _nodes(c, args) as nodes:
         response = nodes.call(lambda s: s.PurgeQueue, _queue_ref(args))
     text = f"queue {args.name!r} in vhost {args.vhost!r} purged; {response.messages_purged} message(s) removed"
     return _as_json(response), text
 
 
-def sync_queue(c: Coordinators, args: argparse.Namespace) -> tuple[Any, str]:
+def sync_queue(c: Admin, args: argparse.Namespace) -> tuple[Any, str]:
     with _nodes(c, args) as nodes:
         info = nodes.call(lambda s: s.SyncQueue, _queue_ref(args), idempotent=True)
     unsynchronised = [m for m in info.mirrors if m not in info.synchronised_mirrors]
@@ -473,7 +465,7 @@ def sync_queue(c: Coordinators, args: argparse.Namespace) -> tuple[Any, str]:
     return _as_json(info), f"{head}\n{_info_text(info)}"
 
 
-def cancel_sync_queue(c: Coordinators, args: argparse.Namespace) -> tuple[Any, str]:
+def cancel_sync_queue(c: Admin, args: argparse.Namespace) -> tuple[Any, str]:
     with _nodes(c, args) as nodes:
         info = nodes.call(lambda s: s.CancelSyncQueue, _queue_ref(args), idempotent=True)
     return _as_json(info), f"sync of queue {args.name!r} in vhost {args.vhost!r} cancelled\n{_info_text(info)}"
@@ -497,21 +489,21 @@ def _queue_argument(text: str) -> tuple[str, str]:
 def parser() -> argparse.ArgumentParser:
     out = _Parser(prog="ringqctl", description="Administer a ringq cluster.", allow_abbrev=False)
     out.add_argument(
-        "--coordinator",
-        default=DEFAULT_COORDINATOR,
-        help="HOST:PORT of coordinators, comma-separated (default $RINGQ_COORDINATOR or 127.0.0.1:7000)",
-    )
-    out.add_argument(
         "--node",
         default=None,
-        help=f"HOST:PORT of broker nodes for queue commands, comma-separated, tried in turn "
-        f"(default ${NODE_ENV}, else the live nodes of the coordinator's cluster status)",
+        help=f"HOST:PORT of broker nodes, comma-separated, tried in turn (default ${NODE_ENV}, else {DEFAULT_NODE})",
+    )
+    out.add_argument(
+        "--tls-ca",
+        default=os.environ.get(TLS_CA_ENV) or None,
+        metavar="PEM",
+        help=f"reach the nodes over TLS, trusting this CA certificate (default ${TLS_CA_ENV}; none: plaintext)",
     )
     out.add_argument("--json", action="store_true", help="print JSON instead of a table")
     out.add_argument("--timeout", type=float, default=5.0, help="seconds per call (default 5)")
     commands = out.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    def command(name: str, run: Callable[[Coordinators, argparse.Namespace], tuple[Any, str]], text: str) -> Any:
+    def command(name: str, run: Callable[[Admin, argparse.Namespace], tuple[Any, str]], text: str) -> Any:
         sub = commands.add_parser(name, help=text, description=text)
         sub.set_defaults(run=run)
         return sub
@@ -545,7 +537,7 @@ def parser() -> argparse.ArgumentParser:
         sub.add_argument("-p", "--vhost", default="", help="only this vhost")
     command("list_leases", list_leases, "list leases: holder, fencing token, expiry")
 
-    def queue_command(name: str, run: Callable[[Coordinators, argparse.Namespace], tuple[Any, str]], text: str) -> Any:
+    def queue_command(name: str, run: Callable[[Admin, argparse.Namespace], tuple[Any, str]], text: str) -> Any:
         sub = command(name, run, text)
         sub.add_argument("-p", "--vhost", default="/", help="vhost (default /)")
         sub.add_argument("name", help="queue name")
@@ -580,7 +572,7 @@ def main(argv: list[str] | None = None) -> int:
         if not args.nodes:
             cli.error(f"{where}: expected HOST:PORT[,HOST:PORT...]")
     else:
-        args.nodes, where = _split_addresses(os.environ.get(NODE_ENV, "")), f"${NODE_ENV}"
+        args.nodes, where = _split_addresses(os.environ.get(NODE_ENV, "") or DEFAULT_NODE), f"${NODE_ENV}"
     for address in args.nodes:
         problem = _address_problem(address)
         if problem is not None:
@@ -589,11 +581,9 @@ def main(argv: list[str] | None = None) -> int:
     repeated = sorted({key for key in keys if keys.count(key) > 1})
     if repeated:
         cli.error(f"argument --argument: {', '.join(map(repr, repeated))} given more than once")
-    coordinators = Coordinators(_split_addresses(args.coordinator), args.timeout)
-    if not coordinators.addresses:
-        cli.error("argument --coordinator: expected HOST:PORT[,HOST:PORT...]")
+    admin = Admin(args.nodes, args.timeout, TLS(ca=args.tls_ca) if args.tls_ca else None)
     try:
-        as_json, text = args.run(coordinators, args)
+        as_json, text = args.run(admin, args)
     except grpc.RpcError as error:
         print(f"ringqctl: {_error_text(error)}", file=sys.stderr)
         return 1
