@@ -4,7 +4,8 @@
     ringq coordinator [--listen HOST:PORT] [--ready-file PATH] --store zookeeper --zookeeper HOSTS [--zookeeper-root Z]
     ringq node --id ID --coordinator HOST:PORT [--listen HOST:PORT] [--advertise HOST:PORT] [--ready-file PATH]
                [--data-dir DIR] [--trace-dir DIR] [--log-level L] [timing flags]
-    ringq cluster up --nodes N --dir DIR [--base-port P] [--timeout S]
+    ringq cluster up --nodes N --dir DIR [--base-port P] [--timeout S] [--tls]
+    ringq certs ca|node|coordinator --dir DIR [--id NODE_ID] [--host NAME ...]
     ringq cluster status --dir DIR
     ringq cluster down --dir DIR [--timeout S]
 
@@ -21,8 +22,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, cast
 
-from services import cluster
-from services.arguments import OneLineParser, address_argument
+from services import certs, cluster
+from services.arguments import OneLineParser, address_argument, node_id_argument
 
 _Handler = Callable[[argparse.Namespace], int]
 
@@ -91,6 +92,9 @@ def _run_coordinator(args: argparse.Namespace) -> int:
         ("--zookeeper", args.zookeeper),
         ("--zookeeper-root", args.zookeeper_root),
         ("--ready-file", args.ready_file),
+        ("--tls-ca", args.tls_ca),
+        ("--tls-cert", args.tls_cert),
+        ("--tls-key", args.tls_key),
     ):
         if value is not None:
             argv += [flag, value]
@@ -112,6 +116,11 @@ _NODE_FLAGS = (
     "data_dir",
     "trace_dir",
     "log_level",
+    "cluster_listen",
+    "cluster_advertise",
+    "tls_ca",
+    "tls_cert",
+    "tls_key",
 )
 
 
@@ -134,11 +143,29 @@ def _run_node(args: argparse.Namespace) -> int:
 def _cluster_up(args: argparse.Namespace) -> int:
     if args.base_port and args.base_port + args.nodes > 65535:
         raise _UsageError(f"--base-port {args.base_port} leaves no room for {args.nodes} nodes below port 65536")
-    info = cluster.up(args.nodes, args.dir, base_port=args.base_port, timeout=args.timeout)
+    info = cluster.up(args.nodes, args.dir, base_port=args.base_port, timeout=args.timeout, tls=args.tls)
     width = max(len(p.name) for p in info.processes)
     for process in info.processes:
         print(f"{process.name:<{width}}  pid {process.pid:<7}  {process.address}")
     print(f"logs: {info.logs}")
+    if info.tls:
+        print(f"TLS: clients trust {certs.ca_paths(info.tls_dir).certificate}")
+    return 0
+
+
+def _certs(args: argparse.Namespace) -> int:
+    hosts = args.host or list(certs.DEFAULT_HOSTS)
+    if args.kind == "ca":
+        issued = certs.ensure_ca(args.dir)
+    elif args.kind == "coordinator":
+        issued = certs.issue_coordinator(args.dir, hosts)
+    else:
+        if args.id is None:
+            raise _UsageError("ringq certs node needs --id NODE_ID")
+        issued = certs.issue_node(args.dir, args.id, hosts)
+    print(f"certificate {issued.certificate}")
+    print(f"key         {issued.key}")
+    print(f"CA          {certs.ca_paths(Path(args.dir)).certificate}")
     return 0
 
 
@@ -180,6 +207,7 @@ def build_parser() -> argparse.ArgumentParser:
     coordinator.add_argument("--zookeeper", metavar="HOSTS", help="zookeeper: the ensemble, HOST:PORT[,HOST:PORT...]")
     coordinator.add_argument("--zookeeper-root", metavar="ZNODE", help="zookeeper: the root znode (default /ringq)")
     coordinator.add_argument("--ready-file", help="write the bound HOST:PORT here once listening")
+    _tls_arguments(coordinator)
 
     node = command(commands, "node", "run a broker node in the foreground", _run_node)
     node.add_argument("--id", required=True, type=_node_id, help="this node's id")
@@ -196,6 +224,22 @@ def build_parser() -> argparse.ArgumentParser:
     node.add_argument("--data-dir", help="where durable queues keep their messages (default data/ID)")
     node.add_argument("--trace-dir", help="also write spans as JSON lines here (docs/observability.md)")
     node.add_argument("--log-level", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    node.add_argument("--cluster-listen", type=address_argument, help="with TLS: HOST:PORT for cluster members")
+    node.add_argument("--cluster-advertise", type=address_argument, help="with TLS: HOST:PORT members should dial")
+    _tls_arguments(node)
+
+    issue = command(
+        commands, "certs", "make a cluster CA and member certificates (development; docs/security.md)", _certs
+    )
+    issue.add_argument("kind", choices=("ca", "node", "coordinator"), help="what to make (the CA is made if missing)")
+    issue.add_argument("--dir", required=True, type=Path, metavar="DIR", help="where the CA and certificates live")
+    issue.add_argument("--id", type=node_id_argument, help="node: its id")
+    issue.add_argument(
+        "--host",
+        action="append",
+        metavar="NAME",
+        help="a host name or IP clients dial (repeat; default localhost, 127.0.0.1)",
+    )
 
     local = command(commands, "cluster", "start, inspect or stop a local cluster on 127.0.0.1", None)
     actions = local.add_subparsers(dest="action", required=True, metavar="ACTION")
@@ -207,12 +251,19 @@ def build_parser() -> argparse.ArgumentParser:
     start.add_argument(
         "--timeout", type=_seconds, default=20.0, metavar="S", help="seconds to wait for every process to be ready"
     )
+    start.add_argument("--tls", action="store_true", help="make certificates in DIR/tls and run with mutual TLS")
     stop = command(actions, "down", "stop the cluster (SIGTERM, then SIGKILL)", _cluster_down)
     stop.add_argument("--timeout", type=_seconds, default=10.0, metavar="S", help="seconds to wait before SIGKILL")
     show = command(actions, "status", "show each process and whether it is alive", _cluster_status)
     for sub in (start, stop, show):
         sub.add_argument("--dir", required=True, type=Path, metavar="DIR", help="the cluster's directory")
     return parser
+
+
+def _tls_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--tls-ca", metavar="PEM", help="the cluster CA certificate")
+    parser.add_argument("--tls-cert", metavar="PEM", help="this member's certificate")
+    parser.add_argument("--tls-key", metavar="PEM", help="this member's private key")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
