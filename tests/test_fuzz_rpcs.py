@@ -22,7 +22,7 @@ import pytest
 from google.protobuf import descriptor as pb_descriptor
 from google.protobuf import message_factory
 
-from ringq.v1 import coordinator_pb2, group_pb2, peer_pb2, queue_pb2
+from ringq.v1 import admin_pb2, coordinator_pb2, group_pb2, peer_pb2, queue_pb2
 from services import cluster
 from tests.clusters import live_cluster
 
@@ -40,6 +40,7 @@ DOCUMENTED = {
     grpc.StatusCode.ABORTED,
     grpc.StatusCode.OUT_OF_RANGE,
     grpc.StatusCode.RESOURCE_EXHAUSTED,
+    grpc.StatusCode.PERMISSION_DENIED,  # e.g. an application joining a queue's group
     grpc.StatusCode.UNAVAILABLE,
     grpc.StatusCode.DEADLINE_EXCEEDED,  # a stream the fuzzer stops waiting for
     grpc.StatusCode.CANCELLED,  # a stream the fuzzer cancels
@@ -52,6 +53,7 @@ SERVICES = [
     ("node", queue_pb2.DESCRIPTOR.services_by_name["QueueService"]),
     ("node", group_pb2.DESCRIPTOR.services_by_name["GroupService"]),
     ("node", peer_pb2.DESCRIPTOR.services_by_name["PeerService"]),
+    ("node", admin_pb2.DESCRIPTOR.services_by_name["AdminService"]),
     ("coordinator", coordinator_pb2.DESCRIPTOR.services_by_name["CoordinatorService"]),
 ]
 STRINGS = ["", "/", "..", "../../etc", "q", "ha.q", "a\x00b", "\n", "\u202e", "x" * 300, "é" * 200, "node1", "queue.x"]
