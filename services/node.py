@@ -40,9 +40,9 @@ import grpc
 
 from ringq import tracing
 from ringq.keepalive import SERVER_KEEPALIVE
-from ringq.v1 import admin_pb2_grpc, group_pb2, group_pb2_grpc, peer_pb2, peer_pb2_grpc, queue_pb2_grpc
+from ringq.v1 import group_pb2, group_pb2_grpc, peer_pb2, peer_pb2_grpc, queue_pb2_grpc
 from services import tls as tls_flags
-from services.admin_service import AdminServicer
+from services.admin_service import admin_handler
 from services.arguments import OneLineParser, address_argument, addresses_argument, node_id_argument
 from services.coordinator.client import CoordinatorClient
 from services.coordinator.convert import group_from_proto, group_to_proto
@@ -638,7 +638,7 @@ async def serve(
     queue_pb2_grpc.add_QueueServiceServicer_to_server(queue_servicer, client_server)
     # Administration for clients: answered from the coordinator, retried for as long as a client waits.
     admin = CoordinatorClient(coordinator, retry_seconds=ADMIN_RETRY_SECONDS, dialer=dialer)
-    admin_pb2_grpc.add_AdminServiceServicer_to_server(AdminServicer(admin), client_server)
+    client_server.add_generic_rpc_handlers((admin_handler(admin),))
     if cluster_server is not client_server:
         # Relayed queue calls come from other nodes, on the cluster port.
         queue_pb2_grpc.add_QueueServiceServicer_to_server(queue_servicer, cluster_server)

@@ -185,11 +185,13 @@ def test_a_node_cannot_speak_for_another_node(secure: cluster.ClusterInfo) -> No
         assert set(members) == {"node1", "node2", "node3"}, members
         node2 = secure.process("node2")
         offset = _log_size(node2)
-        async with Dialer(_member(secure, "node3")).to_node("node2", target) as channel:
-            # node3's certificate, a Hello naming node1: refused.
+        # node4: a member of the cluster CA that runs no node (so no real node4 competes for its link).
+        certs.issue_node(secure.tls_dir, "node4")
+        async with Dialer(_member(secure, "node4")).to_node("node2", target) as channel:
+            # node4's certificate, a Hello naming node1: refused.
             assert await _link_status(channel, "node1") == grpc.StatusCode.PERMISSION_DENIED
-            # node3's own link, carrying a publication forged in the name of node1's member: dropped.
-            call = await _open_link(channel, "node3")
+            # node4's own link, carrying a publication forged in the name of node1's member: dropped.
+            call = await _open_link(channel, "node4")
             forged = peer_pb2.PublisherActivity(publisher=members["node1"], first_seq=10**6, pubs=[b"forged"])
             message = peer_pb2.RingMessage(
                 group=group,
@@ -200,12 +202,12 @@ def test_a_node_cannot_speak_for_another_node(secure: cluster.ClusterInfo) -> No
             )
             await call.write(peer_pb2.PeerFrame(protocol_major=PROTOCOL_MAJOR, ring_message=message))
             deadline = time.monotonic() + WAIT
-            wanted = f"dropped a ring message from node node3 in the name of '{members['node1']}'"
+            wanted = f"dropped a ring message from node node4 in the name of '{members['node1']}'"
             while wanted not in _log_since(node2, offset):
                 assert time.monotonic() < deadline, _log_since(node2, offset)[-2000:]
                 await asyncio.sleep(0.05)
             call.cancel()
-            # AddOnRight for a newcomer of node1, asked by node3: refused.
+            # AddOnRight for a newcomer of node1, asked by node4: refused.
             with pytest.raises(grpc.aio.AioRpcError) as refused:
                 await peer_pb2_grpc.PeerServiceStub(channel).AddOnRight(
                     peer_pb2.AddOnRightRequest(
@@ -214,9 +216,9 @@ def test_a_node_cannot_speak_for_another_node(secure: cluster.ClusterInfo) -> No
                     timeout=WAIT,
                 )
             assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED
-        # The coordinator: node3 may not record node1's member dead, nor anyone's without an actor,
+        # The coordinator: node4 may not record node1's member dead, nor anyone's without an actor,
         # nor register or heartbeat as node1.
-        async with _coordinator(secure, "node3") as channel:
+        async with _coordinator(secure, "node4") as channel:
             stub = coordinator_pb2_grpc.CoordinatorServiceStub(channel)
             current = await stub.ReadGroup(coordinator_pb2.ReadGroupRequest(group=group), timeout=WAIT)
             version = current.group.version
