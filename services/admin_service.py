@@ -18,14 +18,30 @@ import grpc
 from google.protobuf import message_factory
 
 from ringq.v1 import admin_pb2, coordinator_pb2
+from services.access import ADMINISTRATION, LISTING, POLICIES
+from services.access_guard import OPEN, AccessGuard
 from services.coordinator.client import CoordinatorClient
 
 ADMIN_SERVICE = admin_pb2.DESCRIPTOR.services_by_name["AdminService"]
 _COORDINATOR_SERVICE = coordinator_pb2.DESCRIPTOR.services_by_name["CoordinatorService"]
 
 
-def admin_handler(coordinator: CoordinatorClient) -> grpc.GenericRpcHandler[Any, Any]:
-    """AdminService's handlers for `server.add_generic_rpc_handlers`."""
+# The tags a user needs for each method (services/access.py); methods not listed need administrator.
+NEEDED_TAGS = {
+    "ClusterStatus": LISTING,
+    "ListQueues": LISTING,
+    "ListPolicies": LISTING,
+    "ListLeases": LISTING,
+    "ListUsers": LISTING,
+    "ListVhosts": LISTING,
+    "ListPermissions": LISTING,
+    "SetPolicy": POLICIES,
+    "ClearPolicy": POLICIES,
+}
+
+
+def admin_handler(coordinator: CoordinatorClient, access: AccessGuard = OPEN) -> grpc.GenericRpcHandler[Any, Any]:
+    """AdminService's handlers for `server.add_generic_rpc_handlers`; each checks the caller's tags first."""
     handlers = {}
     for method in ADMIN_SERVICE.methods:
         twin = _COORDINATOR_SERVICE.methods_by_name.get(method.name)
@@ -34,15 +50,18 @@ def admin_handler(coordinator: CoordinatorClient) -> grpc.GenericRpcHandler[Any,
         request = message_factory.GetMessageClass(method.input_type)
         response = message_factory.GetMessageClass(method.output_type)
         handlers[method.name] = grpc.unary_unary_rpc_method_handler(
-            _forwarder(coordinator, method.name),
+            _forwarder(coordinator, access, method.name),
             request_deserializer=request.FromString,
             response_serializer=response.SerializeToString,
         )
     return grpc.method_handlers_generic_handler(ADMIN_SERVICE.full_name, handlers)
 
 
-def _forwarder(coordinator: CoordinatorClient, name: str) -> Callable[[Any, Any], Awaitable[Any]]:
+def _forwarder(coordinator: CoordinatorClient, access: AccessGuard, name: str) -> Callable[[Any, Any], Awaitable[Any]]:
+    needed = NEEDED_TAGS.get(name, ADMINISTRATION)
+
     async def forward(request: Any, context: Any) -> Any:
+        await access.allow_tags(context, needed, f"call AdminService.{name}")
         try:
             return await coordinator.call(lambda stub: getattr(stub, name), request)
         except grpc.aio.AioRpcError as error:

@@ -42,6 +42,8 @@ from ringq import tracing
 from ringq.keepalive import SERVER_KEEPALIVE
 from ringq.v1 import group_pb2, group_pb2_grpc, peer_pb2, peer_pb2_grpc, queue_pb2_grpc
 from services import tls as tls_flags
+from services.access import DEFAULT_VHOST, Operation
+from services.access_guard import OPEN, AccessGuard
 from services.admin_service import admin_handler
 from services.arguments import OneLineParser, address_argument, addresses_argument, node_id_argument
 from services.coordinator.client import CoordinatorClient
@@ -456,8 +458,10 @@ def _events_to_proto(event: Deliver | MembersChanged) -> list[group_pb2.GroupEve
 class GroupServicer(group_pb2_grpc.GroupServiceServicer):
     """GroupService: applications join groups as members hosted by this node."""
 
-    def __init__(self, node: Node) -> None:
+    def __init__(self, node: Node, access: AccessGuard = OPEN) -> None:
         self.node = node
+        # Groups live in the default vhost: joining needs read permission on the name, broadcasting write.
+        self.access = access
 
     async def Join(
         self, request: group_pb2.JoinRequest, context: grpc.aio.ServicerContext[Any, Any]
@@ -465,6 +469,7 @@ class GroupServicer(group_pb2_grpc.GroupServiceServicer):
         problem = group_name_problem(request.group)
         if problem:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
+        await self.access.allow(context, DEFAULT_VHOST, Operation.READ, request.group)
         if request.group.startswith(QUEUE_GROUP_PREFIX):
             # A queue's ring carries its messages and its replicas' reports: only the queue's replicas join it.
             await context.abort(
@@ -536,6 +541,7 @@ class GroupServicer(group_pb2_grpc.GroupServiceServicer):
         member = self._application_member(request.member)
         if member is None:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"no member {request.member!r} on node {self.node.id}")
+        await self.access.allow(context, DEFAULT_VHOST, Operation.WRITE, member.core.group_name)
         if not request.payloads:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "payloads must not be empty")
         for index, payload in enumerate(request.payloads):
@@ -558,6 +564,7 @@ class GroupServicer(group_pb2_grpc.GroupServiceServicer):
         member = self._application_member(request.member)
         if member is None:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"no member {request.member!r} on node {self.node.id}")
+        await self.access.allow(context, DEFAULT_VHOST, Operation.READ, member.core.group_name)
         member.leave()
         await member.wait_stopped()
         return group_pb2.LeaveResponse()
@@ -629,20 +636,25 @@ async def serve(
     # cannot change its view without it, and giving up would stop the member.
     client = CoordinatorClient(coordinator, retry_seconds=COORDINATOR_RETRY_SECONDS, dialer=dialer)
     node = Node(node_id, address, client, settings, dialer=dialer, cluster_address=cluster_address)
-    group_pb2_grpc.add_GroupServiceServicer_to_server(GroupServicer(node), client_server)
+    # With TLS every public call is authenticated and authorised (services/access_guard.py).
+    access = AccessGuard(client, enforced=tls is not None)
+    group_pb2_grpc.add_GroupServiceServicer_to_server(GroupServicer(node, access), client_server)
     peer_pb2_grpc.add_PeerServiceServicer_to_server(PeerServicer(node), cluster_server)
     queues = QueueManager(node, client, settings.data_dir, settings.recovery_wait)
     queue_servicer = QueueServicer(
-        node.id, queues, client, node.address_of, node.peer_channel, node.memory.wait_clear, address
+        node.id, queues, client, node.address_of, node.peer_channel, node.memory.wait_clear, address, access
     )
     queue_pb2_grpc.add_QueueServiceServicer_to_server(queue_servicer, client_server)
     # Administration for clients: answered from the coordinator, retried for as long as a client waits.
     admin = CoordinatorClient(coordinator, retry_seconds=ADMIN_RETRY_SECONDS, dialer=dialer)
-    client_server.add_generic_rpc_handlers((admin_handler(admin),))
+    client_server.add_generic_rpc_handlers((admin_handler(admin, access),))
     if cluster_server is not client_server:
         # Relayed queue calls come from other nodes, on the cluster port.
         queue_pb2_grpc.add_QueueServiceServicer_to_server(queue_servicer, cluster_server)
         await cluster_server.start()
+    if access.enforced:
+        await access.load()  # before any client is served, so none is refused for want of the table
+        background = asyncio.ensure_future(access.run())
     await client_server.start()
     await node.start()
     await queues.start()
@@ -661,6 +673,8 @@ async def serve(
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
+    if access.enforced:
+        background.cancel()
     await queues.stop()
     await node.stop()
     await admin.close()

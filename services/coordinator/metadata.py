@@ -143,7 +143,7 @@ def policy_from_record(record: Record) -> Policy:
     return Policy(v["vhost"], v["name"], v["pattern"], dict(v["definition"]), v["priority"], v["apply_to"])
 
 
-def _retry(step: Callable[[], T | None]) -> T:
+def retry_until_set(step: Callable[[], T | None]) -> T:
     """Run a read-decide-write step until its compare-and-set succeeds."""
     for _ in range(CAS_ATTEMPTS):
         result = step()
@@ -289,7 +289,7 @@ def declare_queue(
             load_cache.placed(created)
         return created
 
-    return _retry(step)
+    return retry_until_set(step)
 
 
 def update_queue(store: Store, queue: QueueRecord, expected_version: int) -> QueueRecord:
@@ -323,7 +323,7 @@ def delete_queue(store: Store, vhost: str, name: str, expected_version: int = 0)
             raise Conflict(f"queue {name!r} is at version {record.version}, not {expected_version}")
         return True if store.delete(QUEUE, key, record.version) else None
 
-    _retry(step)
+    retry_until_set(step)
 
 
 @dataclass(frozen=True)
@@ -396,7 +396,7 @@ def _settle(
         current = queue_from_record(fresh) if fresh is not None else None
         return None
 
-    return _retry(step)
+    return retry_until_set(step)
 
 
 # ----------------------------------------------------------------- policies
@@ -431,7 +431,7 @@ def save_policy(store: Store, policy: Policy) -> Policy:
         existing = store.get(POLICY, key)
         return store.put(POLICY, key, value, existing.version if existing else 0)
 
-    _retry(step)
+    retry_until_set(step)
     return valid
 
 
@@ -451,7 +451,7 @@ def delete_policy(store: Store, vhost: str, name: str) -> None:
             raise NotFound(f"no policy {name!r} in vhost {vhost!r}")
         return True if store.delete(POLICY, key, existing.version) else None
 
-    _retry(step)
+    retry_until_set(step)
 
 
 # ------------------------------------------------------------------- leases
@@ -472,7 +472,7 @@ def _write_lease(store: Store, name: str, transition: Callable[[Lease | None], L
         written = store.put(LEASE, name, value, record.version if record else 0)
         return lease if written is not None else None
 
-    return _retry(step)
+    return retry_until_set(step)
 
 
 def acquire_lease(store: Store, name: str, holder: str, ttl_ms: int, now_ms: int) -> Lease:

@@ -21,7 +21,7 @@ from typing import Any, ParamSpec, TypeVar
 import grpc
 
 from ringq.v1 import coordinator_pb2
-from services.coordinator import metadata, records
+from services.coordinator import access_records, metadata, records
 from services.coordinator.convert import (
     disk_report_from_heartbeat,
     group_to_proto,
@@ -43,7 +43,9 @@ from services.coordinator.watch import ChangeFeed, Resync
 from services.tls import acting_for_problem
 
 COORDINATOR = "coordinator"
-WATCHABLE = frozenset({records.GROUP, records.NODE, metadata.QUEUE, metadata.POLICY, metadata.LEASE})
+WATCHABLE = frozenset(
+    {records.GROUP, records.NODE, metadata.QUEUE, metadata.POLICY, metadata.LEASE, *access_records.KINDS}
+)
 _Context = grpc.aio.ServicerContext[Any, Any]
 _P = ParamSpec("_P")
 _T = TypeVar("_T")
@@ -68,7 +70,7 @@ async def mapped(context: _Context, work: Awaitable[_T]) -> _T:
         await context.abort(grpc.StatusCode.NOT_FOUND, str(error))
     except PolicyError as error:
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
-    except (QueueMismatch, LeaseRefused) as error:
+    except (QueueMismatch, LeaseRefused, access_records.InUse) as error:
         await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(error))
     except Conflict as error:
         await context.abort(grpc.StatusCode.ABORTED, str(error))

@@ -23,7 +23,8 @@ import grpc
 
 from ringq.keepalive import SERVER_KEEPALIVE
 from ringq.v1 import coordinator_pb2, coordinator_pb2_grpc, group_table_pb2
-from services.coordinator import metadata, records
+from services.coordinator import access_records, metadata, records
+from services.coordinator.access_service import AccessRpcs
 from services.coordinator.convert import (
     ChangeRequest,
     change_from_request,
@@ -38,6 +39,7 @@ from services.coordinator.placement_trigger import PlacementTrigger, RecordChang
 from services.coordinator.sqlite_store import SqliteStore
 from services.coordinator.store import MAX_KEY_LENGTH, Store, StoreUnavailable
 from services.coordinator.watch import ChangeFeed, Resync
+from services.passwords import hash_password
 from services.request_guard import RequestGuard
 from services.tls import ClusterTLS, member_problem
 
@@ -114,7 +116,7 @@ def _acting_node(change: GroupChange) -> str:
     return member_node(actor_of(change))
 
 
-class CoordinatorServicer(MetadataRpcs, coordinator_pb2_grpc.CoordinatorServiceServicer):
+class CoordinatorServicer(MetadataRpcs, AccessRpcs, coordinator_pb2_grpc.CoordinatorServiceServicer):
     """Serves everything held by a `Store`: group tables and nodes here, the rest in MetadataRpcs."""
 
     def __init__(
@@ -228,6 +230,8 @@ async def create_server(
     and this coordinator's registration (so cluster_status lists it).
     """
     server = grpc.aio.server(options=SERVER_KEEPALIVE, interceptors=[RequestGuard(admit=member_problem)])
+    if await asyncio.to_thread(access_records.seed, store, hash_password):
+        log.info("first start: made the vhost / and the user guest (password guest, loopback only)")
     feed = ChangeFeed(store)
     await feed.start()
     passes = PlacementPasses()

@@ -30,7 +30,10 @@ import grpc
 
 from ringq import tracing
 from ringq.names import name_problem
+from ringq.security import with_metadata
 from ringq.v1 import queue_pb2, queue_pb2_grpc
+from services.access import Operation
+from services.access_guard import OPEN, AccessGuard, Refusal, scoped_publisher
 from services.coordinator.client import CoordinatorClient
 from services.coordinator.metadata import QueueRecord
 from services.coordinator.policies import MAX_TTL_MS
@@ -44,6 +47,8 @@ MAX_BODY_BYTES = 16 * 1024 * 1024
 # and each message at most MAX_HEADER_BYTES of header names and values together.
 MAX_MESSAGES_PER_PUBLISH = 10_000
 MAX_HEADER_BYTES = 64 * 1024
+# A publisher id is kept with every message of its publisher: an AMQP short string at most.
+MAX_PUBLISHER_BYTES = 255
 # A Consume response carries the deliveries ready when it is sent: at most this many, of at most this
 # many body bytes in all unless it is a single delivery (a larger one goes alone, as it did before
 # responses carried batches), so a batch is never larger than one delivery may be.
@@ -160,8 +165,11 @@ class QueueServicer(queue_pb2_grpc.QueueServiceServicer):
         channel_to: Callable[[str, str], grpc.aio.Channel],
         memory_clear: Callable[[], Awaitable[None]] | None = None,
         address: str = "",
+        access: AccessGuard = OPEN,
     ) -> None:
         self.node_id = node_id
+        # Who may do what (enforced with TLS): every call is authenticated and authorised first.
+        self.access = access
         # Where clients reach this node (QueueInfo.master_address of the queues it masters).
         self.address = address
         # Returns once the node's memory alarm is off: publish streams are read only then.
@@ -203,12 +211,20 @@ class QueueServicer(queue_pb2_grpc.QueueServiceServicer):
             raise Refused(grpc.StatusCode.UNAVAILABLE, f"queue {record.name!r} has no master now; retry")
         return None, queue_pb2_grpc.QueueServiceStub(self.channel_to(record.master, address)), record
 
-    async def _route(self, ref: queue_pb2.QueueRef, context: _Context) -> tuple[QueueReplica | None, Any, QueueRecord]:
+    async def _route(
+        self, ref: queue_pb2.QueueRef, context: _Context, operation: Operation
+    ) -> tuple[QueueReplica | None, Any, QueueRecord]:
+        """The local master or a stub to the master's node (relaying the caller's user), once the caller
+        may `operation` the queue; the call is aborted otherwise."""
+        problem = _ref_problem(ref)
+        if problem:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
+        principal = await self.access.allow(context, _vhost(ref), operation, ref.queue)
         try:
-            return await self._find(ref)
+            replica, stub, record = await self._find(ref)
         except Refused as refused:
             await context.abort(refused.code, refused.details)
-        raise AssertionError("unreachable")
+        return replica, with_metadata(stub, principal.relay_metadata()) if stub is not None else None, record
 
     async def _relay(self, context: _Context, call: Awaitable[Any], answer: type[_Answer]) -> _Answer:
         """Relay a call to the master's node; its failure becomes ours."""
@@ -258,6 +274,7 @@ class QueueServicer(queue_pb2_grpc.QueueServiceServicer):
         problem = _ref_problem(ref)
         if problem:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
+        await self.access.allow(context, _vhost(ref), Operation.CONFIGURE, ref.queue)
         for key, value in request.arguments.items():
             try:
                 json.loads(value)
@@ -275,14 +292,14 @@ class QueueServicer(queue_pb2_grpc.QueueServiceServicer):
             record = await self.coordinator.declare_queue(declared, preferred_master=self.node_id)
         except grpc.aio.AioRpcError as error:
             await context.abort(error.code(), error.details() or "")
-        replica, stub, record = await self._route(ref, context)
+        replica, stub, record = await self._route(ref, context, Operation.CONFIGURE)
         if stub is not None:
             return await self._relay(context, stub.QueueStatus(ref), queue_pb2.QueueInfo)
         assert replica is not None
         return self._info(replica, record, self.address)
 
     async def QueueStatus(self, request: queue_pb2.QueueRef, context: _Context) -> queue_pb2.QueueInfo:
-        replica, stub, record = await self._route(request, context)
+        replica, stub, record = await self._route(request, context, Operation.READ)
         if stub is not None:
             return await self._relay(context, stub.QueueStatus(request), queue_pb2.QueueInfo)
         assert replica is not None
@@ -291,7 +308,7 @@ class QueueServicer(queue_pb2_grpc.QueueServiceServicer):
     async def DeleteQueue(
         self, request: queue_pb2.QueueDeleteRequest, context: _Context
     ) -> queue_pb2.QueueDeleteResponse:
-        replica, stub, record = await self._route(request.queue, context)
+        replica, stub, record = await self._route(request.queue, context, Operation.CONFIGURE)
         if stub is not None:
             return await self._relay(context, stub.DeleteQueue(request), queue_pb2.QueueDeleteResponse)
         assert replica is not None and replica.master is not None
@@ -305,7 +322,7 @@ class QueueServicer(queue_pb2_grpc.QueueServiceServicer):
         return queue_pb2.QueueDeleteResponse(messages_deleted=depth)
 
     async def PurgeQueue(self, request: queue_pb2.QueueRef, context: _Context) -> queue_pb2.PurgeQueueResponse:
-        replica, stub, _ = await self._route(request, context)
+        replica, stub, _ = await self._route(request, context, Operation.READ)
         if stub is not None:
             return await self._relay(context, stub.PurgeQueue(request), queue_pb2.PurgeQueueResponse)
         assert replica is not None
@@ -322,7 +339,7 @@ class QueueServicer(queue_pb2_grpc.QueueServiceServicer):
         return await self._sync(request, context, start=False)
 
     async def _sync(self, request: queue_pb2.QueueRef, context: _Context, start: bool) -> queue_pb2.QueueInfo:
-        replica, stub, record = await self._route(request, context)
+        replica, stub, record = await self._route(request, context, Operation.CONFIGURE)
         if stub is not None:
             call = stub.SyncQueue(request) if start else stub.CancelSyncQueue(request)
             return await self._relay(context, call, queue_pb2.QueueInfo)
@@ -338,6 +355,10 @@ class QueueServicer(queue_pb2_grpc.QueueServiceServicer):
     async def Publish(
         self, request_iterator: AsyncIterator[queue_pb2.PublishRequest], context: _Context
     ) -> AsyncIterator[queue_pb2.PublishResponse]:
+        try:
+            principal = await self.access.principal(context)
+        except Refusal as refusal:
+            await context.abort(refusal.code, refusal.details)
         pending: asyncio.Queue[asyncio.Future[queue_pb2.PublishResponse] | None] = asyncio.Queue()
         routes: dict[tuple[str, str], tuple[QueueReplica | None, Any]] = {}
         forwarded = _ForwardedStream()
@@ -367,10 +388,16 @@ class QueueServicer(queue_pb2_grpc.QueueServiceServicer):
                     key = (_vhost(request.queue), request.queue.queue)
                     if key not in routes:
                         try:
+                            self.access.permit(principal, key[0], Operation.WRITE, key[1])
                             replica, stub, record = await self._find(request.queue)
+                        except Refusal as refusal:
+                            pending.put_nowait(failed(Refused(refusal.code, refusal.details)))
+                            break
                         except Refused as refused:
                             pending.put_nowait(failed(refused))
                             break
+                        if stub is not None:
+                            stub = with_metadata(stub, principal.relay_metadata())
                         routes[key] = (replica, stub)
                         if stub is not None and forwarded.moved is None:
                             forwarded.moved = self._watch_master(record)
@@ -381,10 +408,11 @@ class QueueServicer(queue_pb2_grpc.QueueServiceServicer):
                         pending.put_nowait(asyncio.ensure_future(self._forward_publish(stub, request, forwarded)))
                         continue
                     assert replica is not None
+                    publisher = scoped_publisher(principal, request.publisher)
                     items = [
                         Outgoing(
                             m.body,
-                            request.publisher,
+                            publisher,
                             m.seq,
                             m.persistent,
                             dict(m.headers) if m.headers else {},
@@ -475,7 +503,7 @@ class QueueServicer(queue_pb2_grpc.QueueServiceServicer):
             return
         if first.settlements:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the first consume request attaches: no settlements")
-        replica, stub, record = await self._route(first.queue, context)
+        replica, stub, record = await self._route(first.queue, context, Operation.READ)
         if stub is not None:
             async for response in self._forward_consume(first, requests, stub, record, context):
                 yield response
@@ -556,7 +584,7 @@ class QueueServicer(queue_pb2_grpc.QueueServiceServicer):
         kind = _SETTLE.get(request.kind)
         if kind is None:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "kind must be ACK, REQUEUE or REJECT")
-        replica, stub, _ = await self._route(request.queue, context)
+        replica, stub, _ = await self._route(request.queue, context, Operation.READ)
         if stub is not None:
             return await self._relay(context, stub.Settle(request), queue_pb2.SettleResponse)
         assert replica is not None and kind is not None
@@ -569,7 +597,7 @@ class QueueServicer(queue_pb2_grpc.QueueServiceServicer):
         return queue_pb2.SettleResponse()
 
     async def Get(self, request: queue_pb2.GetRequest, context: _Context) -> queue_pb2.GetResponse:
-        replica, stub, _ = await self._route(request.queue, context)
+        replica, stub, _ = await self._route(request.queue, context, Operation.READ)
         if stub is not None:
             return await self._relay(context, stub.Get(request), queue_pb2.GetResponse)
         assert replica is not None
@@ -615,6 +643,8 @@ async def _unless_master_moves(reply: Awaitable[_T], moved: asyncio.Future[str],
 def _publish_problem(request: queue_pb2.PublishRequest) -> str | None:
     if not request.queue.queue:
         return "queue must not be empty"
+    if len(request.publisher.encode()) > MAX_PUBLISHER_BYTES:
+        return f"publisher must be at most {MAX_PUBLISHER_BYTES} bytes, got {len(request.publisher.encode())}"
     if not request.messages:
         return "messages must not be empty"
     if len(request.messages) > MAX_MESSAGES_PER_PUBLISH:

@@ -52,7 +52,7 @@ from tenacity import AsyncRetrying, retry_if_exception, stop_after_delay, wait_e
 from ringq import tracing
 from ringq.history import History
 from ringq.keepalive import CHANNEL_KEEPALIVE
-from ringq.security import TLS, aio_channel
+from ringq.security import TLS, Credentials, aio_channel, authenticated
 from ringq.v1 import admin_pb2_grpc, coordinator_pb2, queue_pb2, queue_pb2_grpc
 
 CHANNEL_OPTIONS = [
@@ -117,6 +117,7 @@ class Connection:
     without progress before giving up. `history`: a file to record this
     client's events in (docs/observability.md), default $RINGQ_HISTORY.
     `tls`: reach the nodes over TLS (`ringq.TLS(ca="ca.pem")`); None: plaintext.
+    `credentials`: the user to act as (`ringq.Credentials("alice", "secret")`), needed with TLS.
     """
 
     def __init__(
@@ -129,9 +130,11 @@ class Connection:
         retry_for: float = 30.0,
         call_timeout: float = 10.0,
         tls: TLS | None = None,
+        credentials: Credentials | None = None,
     ) -> None:
         self.addresses = [addresses] if isinstance(addresses, str) else list(addresses)
         self.tls = tls
+        self.credentials = credentials
         if not self.addresses:
             raise ValueError("a connection needs at least one node address")
         self.vhost = vhost
@@ -161,7 +164,7 @@ class Connection:
         channel = self._channels.get(self.address)
         if channel is None:
             channel = self._channels[self.address] = aio_channel(self.address, self.tls, CHANNEL_OPTIONS)
-        return queue_pb2_grpc.QueueServiceStub(channel)
+        return authenticated(queue_pb2_grpc.QueueServiceStub(channel), self.credentials)
 
     def failed(self) -> None:
         """The current node did not answer: use the next one."""
@@ -711,11 +714,18 @@ class Admin:
     admin = Admin(["127.0.0.1:7101", "127.0.0.1:7102"])
     await admin.set_policy("ha-two", "^ha\\.", {"ha-mode": "exactly", "ha-params": 2})
 
-    Each call goes to the first node that answers, in the order given. `tls` as for `Connection`.
+    Each call goes to the first node that answers, in the order given. `tls` and `credentials` as for
+    `Connection`.
     """
 
     def __init__(
-        self, nodes: Sequence[str] | str, *, vhost: str = "/", timeout: float = 5.0, tls: TLS | None = None
+        self,
+        nodes: Sequence[str] | str,
+        *,
+        vhost: str = "/",
+        timeout: float = 5.0,
+        tls: TLS | None = None,
+        credentials: Credentials | None = None,
     ) -> None:
         self.addresses = [nodes] if isinstance(nodes, str) else list(nodes)
         if not self.addresses:
@@ -723,6 +733,7 @@ class Admin:
         self.vhost = vhost
         self.timeout = timeout
         self.tls = tls
+        self.credentials = credentials
         self._channels: dict[str, grpc.aio.Channel] = {}
 
     async def __aenter__(self) -> Admin:
@@ -737,7 +748,7 @@ class Admin:
             channel = self._channels.get(address)
             if channel is None:
                 channel = self._channels[address] = aio_channel(address, self.tls, CHANNEL_KEEPALIVE)
-            stub = admin_pb2_grpc.AdminServiceStub(channel)
+            stub = authenticated(admin_pb2_grpc.AdminServiceStub(channel), self.credentials)
             try:
                 return await getattr(stub, method)(request, timeout=self.timeout)
             except grpc.aio.AioRpcError as error:

@@ -1,6 +1,6 @@
 """`ringqctl`: administer a ringq cluster through its broker nodes.
 
-    ringqctl [--node HOST:PORT[,HOST:PORT...]] [--tls-ca PEM] [--json] COMMAND ...
+    ringqctl [--node HOST:PORT[,HOST:PORT...]] [--tls-ca PEM] [--user U --password P] [--json] COMMAND ...
 
 Cluster commands, sent to a node's AdminService (which answers from the
 coordinator): cluster_status, drain_node, undrain_node, set_policy,
@@ -15,7 +15,9 @@ Human tables by default, `--json` for scripts (protobuf's JSON mapping, so
 64-bit counts are strings). Errors print one line with the gRPC status and
 message and exit 1; usage errors exit 2. Nodes are those of `--node`, else
 $RINGQ_NODE, else 127.0.0.1:7100; each is tried in turn on UNAVAILABLE.
-`--tls-ca` (or $RINGQ_TLS_CA) reaches them over TLS, trusting that CA.
+`--tls-ca` (or $RINGQ_TLS_CA) reaches them over TLS, trusting that CA; `--user` and
+`--password` (or $RINGQ_USER, $RINGQ_PASSWORD) say who acts. Users, vhosts and permissions:
+ringq/ctl_access.py.
 """
 
 from __future__ import annotations
@@ -30,14 +32,18 @@ from contextlib import contextmanager
 from typing import Any, Literal, NoReturn, TypeVar
 
 import grpc
-from google.protobuf import json_format
 
-from ringq.security import TLS, channel
+from ringq import ctl_access
+from ringq.ctl_output import as_json as _as_json
+from ringq.ctl_output import table as _table
+from ringq.security import TLS, Credentials, authenticated, channel
 from ringq.v1 import admin_pb2_grpc, coordinator_pb2, queue_pb2, queue_pb2_grpc
 
 DEFAULT_NODE = "127.0.0.1:7100"
 NODE_ENV = "RINGQ_NODE"
 TLS_CA_ENV = "RINGQ_TLS_CA"
+USER_ENV = "RINGQ_USER"
+PASSWORD_ENV = "RINGQ_PASSWORD"
 T = TypeVar("T")
 Req = TypeVar("Req")
 Resp = TypeVar("Resp")
@@ -60,16 +66,23 @@ class Failure(Exception):
 class Admin:
     """AdminService calls on the first node that answers, in the order given."""
 
-    def __init__(self, addresses: Sequence[str], timeout: float = 5.0, tls: TLS | None = None) -> None:
+    def __init__(
+        self,
+        addresses: Sequence[str],
+        timeout: float = 5.0,
+        tls: TLS | None = None,
+        credentials: Credentials | None = None,
+    ) -> None:
         self.addresses = list(addresses)
         self.timeout = timeout
         self.tls = tls
+        self.credentials = credentials
 
     def call(self, method: Callable[[admin_pb2_grpc.AdminServiceStub], Callable[..., T]], request: Any) -> T:
         last: grpc.RpcError | None = None
         for address in self.addresses:
             with channel(address, self.tls) as open_channel:
-                stub = admin_pb2_grpc.AdminServiceStub(open_channel)
+                stub = authenticated(admin_pb2_grpc.AdminServiceStub(open_channel), self.credentials)
                 try:
                     return method(stub)(request, timeout=self.timeout)
                 except grpc.RpcError as error:
@@ -87,11 +100,18 @@ class Nodes:
     also moves on after DEADLINE_EXCEEDED, which is how an address that never answers shows up.
     """
 
-    def __init__(self, resolve: Callable[[], list[str]], timeout: float = 5.0, tls: TLS | None = None) -> None:
+    def __init__(
+        self,
+        resolve: Callable[[], list[str]],
+        timeout: float = 5.0,
+        tls: TLS | None = None,
+        credentials: Credentials | None = None,
+    ) -> None:
         self._resolve = resolve
         self._addresses: list[str] | None = None
         self.timeout = timeout
         self.tls = tls
+        self.credentials = credentials
         self._channels: dict[str, grpc.Channel] = {}
 
     @property
@@ -100,10 +120,10 @@ class Nodes:
             self._addresses = self._resolve()
         return self._addresses
 
-    def _stub(self, address: str) -> queue_pb2_grpc.QueueServiceStub:
+    def _stub(self, address: str) -> Any:  # a QueueServiceStub sending the credentials
         if address not in self._channels:
             self._channels[address] = channel(address, self.tls)
-        return queue_pb2_grpc.QueueServiceStub(self._channels[address])
+        return authenticated(queue_pb2_grpc.QueueServiceStub(self._channels[address]), self.credentials)
 
     def call(
         self,
@@ -169,24 +189,11 @@ def _split_addresses(text: str) -> list[str]:
 @contextmanager
 def _nodes(c: Admin, args: argparse.Namespace) -> Iterator[Nodes]:
     given: list[str] = args.nodes
-    nodes = Nodes(lambda: list(given), args.timeout, c.tls)
+    nodes = Nodes(lambda: list(given), args.timeout, c.tls, c.credentials)
     try:
         yield nodes
     finally:
         nodes.close()
-
-
-def _table(rows: list[list[str]], headers: list[str]) -> str:
-    widths = [max(len(str(cell)) for cell in column) for column in zip(headers, *rows, strict=False)]
-    lines = ["  ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True))]
-    lines += ["  ".join(str(c).ljust(w) for c, w in zip(row, widths, strict=True)) for row in rows]
-    return "\n".join(line.rstrip() for line in lines)
-
-
-def _as_json(message: Any) -> Any:
-    return json_format.MessageToDict(
-        message, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
-    )
 
 
 def _one_line(text: str | None) -> str:
@@ -494,6 +501,20 @@ def parser() -> argparse.ArgumentParser:
         help=f"HOST:PORT of broker nodes, comma-separated, tried in turn (default ${NODE_ENV}, else {DEFAULT_NODE})",
     )
     out.add_argument(
+        "--user",
+        dest="auth_user",
+        metavar="USER",
+        default=os.environ.get(USER_ENV) or None,
+        help=f"the user to act as (default ${USER_ENV}); with TLS, needed (guest works from loopback only)",
+    )
+    out.add_argument(
+        "--password",
+        dest="auth_password",
+        metavar="PASSWORD",
+        default=os.environ.get(PASSWORD_ENV) or None,
+        help=f"its password (default ${PASSWORD_ENV})",
+    )
+    out.add_argument(
         "--tls-ca",
         default=os.environ.get(TLS_CA_ENV) or None,
         metavar="PEM",
@@ -536,6 +557,7 @@ def parser() -> argparse.ArgumentParser:
         sub = command(name, run, text)
         sub.add_argument("-p", "--vhost", default="", help="only this vhost")
     command("list_leases", list_leases, "list leases: holder, fencing token, expiry")
+    ctl_access.add_commands(command)
 
     def queue_command(name: str, run: Callable[[Admin, argparse.Namespace], tuple[Any, str]], text: str) -> Any:
         sub = command(name, run, text)
@@ -581,7 +603,10 @@ def main(argv: list[str] | None = None) -> int:
     repeated = sorted({key for key in keys if keys.count(key) > 1})
     if repeated:
         cli.error(f"argument --argument: {', '.join(map(repr, repeated))} given more than once")
-    admin = Admin(args.nodes, args.timeout, TLS(ca=args.tls_ca) if args.tls_ca else None)
+    if (args.auth_user is None) != (args.auth_password is None):
+        cli.error("--user and --password go together")
+    credentials = Credentials(args.auth_user, args.auth_password) if args.auth_user is not None else None
+    admin = Admin(args.nodes, args.timeout, TLS(ca=args.tls_ca) if args.tls_ca else None, credentials)
     try:
         as_json, text = args.run(admin, args)
     except grpc.RpcError as error:

@@ -18,7 +18,7 @@ from typing import Any
 
 import grpc
 
-from ringq.security import TLS, aio_channel
+from ringq.security import TLS, Credentials, aio_channel, authenticated
 from ringq.v1 import group_pb2, group_pb2_grpc
 
 CHANNEL_OPTIONS = [
@@ -30,18 +30,28 @@ CHANNEL_OPTIONS = [
 class GroupMembership:
     """One member of a group; create it with `await GroupMembership.join(...)`."""
 
-    def __init__(self, channel: grpc.aio.Channel, call: Any, joined: group_pb2.Joined) -> None:
+    def __init__(
+        self, channel: grpc.aio.Channel, call: Any, joined: group_pb2.Joined, credentials: Credentials | None = None
+    ) -> None:
         self._channel = channel
         self._call = call
-        self._stub = group_pb2_grpc.GroupServiceStub(channel)
+        self._stub = authenticated(group_pb2_grpc.GroupServiceStub(channel), credentials)
         self.joined = joined
         self.member_id = joined.member
 
     @classmethod
-    async def join(cls, address: str, group: str, timeout: float = 30.0, *, tls: TLS | None = None) -> GroupMembership:
-        """Join `group` as a member hosted by the node at `address`."""
+    async def join(
+        cls,
+        address: str,
+        group: str,
+        timeout: float = 30.0,
+        *,
+        tls: TLS | None = None,
+        credentials: Credentials | None = None,
+    ) -> GroupMembership:
+        """Join `group` as a member hosted by the node at `address` (as `credentials`' user, over `tls`)."""
         channel = aio_channel(address, tls, CHANNEL_OPTIONS)
-        stub = group_pb2_grpc.GroupServiceStub(channel)
+        stub = authenticated(group_pb2_grpc.GroupServiceStub(channel), credentials)
         call: Any = stub.Join(group_pb2.JoinRequest(group=group))
         try:
             first: Any = await asyncio.wait_for(call.read(), timeout)
@@ -52,7 +62,7 @@ class GroupMembership:
         if first is grpc.aio.EOF or first.WhichOneof("kind") != "joined":  # type: ignore[attr-defined]
             await channel.close(None)
             raise ConnectionError(f"joining {group} at {address} did not start with Joined")
-        return cls(channel, call, first.joined)
+        return cls(channel, call, first.joined, credentials)
 
     async def broadcast(self, payloads: list[bytes], confirmed: bool = False) -> tuple[int, int]:
         """Broadcast `payloads`; returns their first and last sequence numbers."""

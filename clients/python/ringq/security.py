@@ -1,16 +1,21 @@
-"""How a client reaches nodes securely: TLS settings, and the channels made with them.
+"""How a client reaches nodes securely: TLS settings, credentials, and the channels made with them.
 
 Responsible for: one `TLS` value that says which CA the client trusts (a PEM file or bytes; None:
 the system's trust store) and, optionally, the name the nodes' certificates must carry when it is
-not the host dialled (`server_name`); and opening gRPC channels with it, or plaintext without it.
+not the host dialled (`server_name`); `Credentials` (a user and password, sent with every call as
+`authorization: Basic ...` metadata); and opening gRPC channels and stubs with them.
 Guarantees: with a `TLS`, a channel completes only with a node whose certificate the CA signed for
 the name expected; without one, the channel is plaintext (for a development cluster on loopback).
+Credentials are sent with every call made through `authenticated(stub, credentials)`, and never
+printed (their repr hides the password).
 """
 
 from __future__ import annotations
 
+import base64
+import functools
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -47,3 +52,36 @@ def channel(address: str, tls: TLS | None, options: Sequence[tuple[str, Any]] = 
         return grpc.insecure_channel(address, options=list(options))
     credentials = grpc.ssl_channel_credentials(tls.ca_bytes())
     return grpc.secure_channel(address, credentials, options=[*options, *tls.options()])
+
+
+@dataclass(frozen=True)
+class Credentials:
+    """A user and its password."""
+
+    user: str
+    password: str = field(repr=False)
+
+    def metadata(self) -> tuple[tuple[str, str], ...]:
+        token = base64.b64encode(f"{self.user}:{self.password}".encode()).decode()
+        return (("authorization", f"Basic {token}"),)
+
+
+class _WithMetadata:
+    """A stub whose every call carries the same metadata."""
+
+    def __init__(self, stub: Any, metadata: tuple[tuple[str, str], ...]) -> None:
+        self._stub = stub
+        self._metadata = metadata
+
+    def __getattr__(self, name: str) -> Any:
+        return functools.partial(getattr(self._stub, name), metadata=self._metadata)
+
+
+def authenticated(stub: Any, credentials: Credentials | None) -> Any:
+    """`stub`, sending `credentials` with each call (unchanged if None)."""
+    return stub if credentials is None else with_metadata(stub, credentials.metadata())
+
+
+def with_metadata(stub: Any, metadata: tuple[tuple[str, str], ...]) -> Any:
+    """`stub`, sending `metadata` with each call (unchanged if empty)."""
+    return _WithMetadata(stub, metadata) if metadata else stub

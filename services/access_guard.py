@@ -1,0 +1,196 @@
+"""A node's enforcement of users and permissions (services/access.py) on every public call.
+
+Responsible for: keeping the node's copy of the access table fresh (read from the coordinator at
+start, again whenever its Watch reports a change of a user, vhost or permission, or a resync);
+finding who makes a call; refusing calls that may not be made.
+
+Who makes a call:
+  - A client on the client port: the user of its `authorization: Basic base64(user:password)`
+    metadata. Missing or wrong credentials are refused with UNAUTHENTICATED. guest is accepted only
+    from a loopback address.
+  - A node on the cluster port, proven by its certificate: it relays a client's call, naming the
+    user it authenticated in `ringq-user` metadata. With no user named, the call is the node's own
+    (e.g. dead-lettering) and is not restricted.
+
+Guarantees: with TLS on, no public call reaches a queue, group or the coordinator unless its user
+may make it; refusals carry PERMISSION_DENIED with the reason. Without TLS (plaintext, for
+development), nothing can be proven, so nothing is enforced; the node's start-up warning says so.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+
+from ringq.v1 import coordinator_pb2
+from services.access import AccessTable, Operation, Permission, User
+from services.coordinator.access_records import KINDS
+from services.coordinator.client import CoordinatorClient
+from services.passwords import PasswordChecks
+from services.tls import caller
+
+log = logging.getLogger("ringq.access")
+
+USER_METADATA = "ringq-user"  # names the user a relaying node authenticated
+RELOAD_PAUSE_SECONDS = 0.2
+
+
+@dataclass(frozen=True)
+class Principal:
+    """Who a call acts for: a user, or (user None) the cluster itself, which is not restricted."""
+
+    user: str | None
+
+    def relay_metadata(self) -> tuple[tuple[str, str], ...]:
+        """Metadata for a call relayed on this principal's behalf to another node."""
+        return ((USER_METADATA, self.user),) if self.user is not None else ()
+
+
+UNRESTRICTED = Principal(None)
+
+
+class Refusal(Exception):
+    """A call that may not be made: the status and the reason."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(details)
+        self.code = code
+        self.details = details
+
+
+class AccessGuard:
+    """One per node. `enforced` is whether the node runs with TLS (else nothing can be proven)."""
+
+    def __init__(self, coordinator: CoordinatorClient | None, enforced: bool) -> None:
+        self.coordinator = coordinator
+        self.enforced = enforced
+        self.table = AccessTable()
+        self.checks = PasswordChecks()
+
+    # ------------------------------------------------------------------ freshness
+
+    async def load(self) -> None:
+        """Read the table now (a node serves clients only after this, so none is refused for want of it)."""
+        assert self.coordinator is not None
+        response = await self.coordinator.call(lambda stub: stub.ReadAccess, coordinator_pb2.ReadAccessRequest())
+        self.table = AccessTable.of(
+            [User(u.name, u.password_hash, frozenset(u.tags)) for u in response.users],
+            response.vhosts,
+            [Permission(p.user, p.vhost, p.configure, p.write, p.read) for p in response.permissions],
+        )
+
+    async def run(self) -> None:
+        """Reload after every change the coordinator reports, for as long as the node runs."""
+        assert self.coordinator is not None
+        revision = 0
+        while True:
+            try:
+                async for event in self.coordinator.watch(list(KINDS), revision):
+                    revision = event.revision
+                    await self.load()
+            except grpc.aio.AioRpcError as error:
+                log.debug("access watch interrupted: %s", error.code().name)
+            await asyncio.sleep(RELOAD_PAUSE_SECONDS)
+            try:
+                await self.load()  # what changed while the watch was down
+            except grpc.aio.AioRpcError as error:
+                log.warning("cannot read users and permissions from the coordinator: %s", error.code().name)
+
+    # ------------------------------------------------------------------ decisions
+
+    async def principal(self, context: Any) -> Principal:
+        """Who makes this call; Refusal (UNAUTHENTICATED) if a client cannot say who it is."""
+        if not self.enforced:
+            return UNRESTRICTED
+        identity = caller(context)
+        if identity is not None:  # a cluster member on the cluster port
+            named = _metadata(context, USER_METADATA)
+            return Principal(named) if named else UNRESTRICTED
+        user, password = _basic_credentials(context)
+        problem = self.table.login_problem(user, _from_loopback(context.peer()))
+        if problem is None and not await self.checks.check(user, self.table.users[user].password_hash, password):
+            problem = "unknown user or wrong password"
+        if problem is not None:
+            raise Refusal(grpc.StatusCode.UNAUTHENTICATED, problem)
+        return Principal(user)
+
+    def permit(self, principal: Principal, vhost: str, operation: Operation, name: str) -> None:
+        """Refusal (PERMISSION_DENIED) unless `principal` may `operation` `name` in `vhost`."""
+        if principal.user is None:
+            return
+        problem = self.table.permission_problem(principal.user, vhost, operation, name)
+        if problem is not None:
+            raise Refusal(grpc.StatusCode.PERMISSION_DENIED, problem)
+
+    def permit_tags(self, principal: Principal, needed: frozenset[str], what: str) -> None:
+        """Refusal (PERMISSION_DENIED) unless `principal` has one of the tags `needed`."""
+        if principal.user is None:
+            return
+        problem = self.table.tag_problem(principal.user, needed, what)
+        if problem is not None:
+            raise Refusal(grpc.StatusCode.PERMISSION_DENIED, problem)
+
+    async def allow(self, context: Any, vhost: str, operation: Operation, name: str) -> Principal:
+        """The call's principal, once it may `operation` `name` in `vhost`; aborts the call otherwise."""
+        try:
+            principal = await self.principal(context)
+            self.permit(principal, vhost, operation, name)
+        except Refusal as refusal:
+            await context.abort(refusal.code, refusal.details)
+        return principal
+
+    async def allow_tags(self, context: Any, needed: frozenset[str], what: str) -> Principal:
+        try:
+            principal = await self.principal(context)
+            self.permit_tags(principal, needed, what)
+        except Refusal as refusal:
+            await context.abort(refusal.code, refusal.details)
+        return principal
+
+
+OPEN = AccessGuard(None, enforced=False)  # for a node without TLS, and for tests of other things
+
+
+def scoped_publisher(principal: Principal, publisher: str) -> str:
+    """A publisher id as the queue keeps it: scoped to the user who publishes, so no other user's
+    publishes can make the queue take this publisher's messages for duplicates. The separator is a
+    control character, which no user name may contain, so the scope cannot be forged."""
+    return publisher if principal.user is None else f"{principal.user}\x1f{publisher}"
+
+
+def _metadata(context: Any, key: str) -> str | None:
+    for name, value in context.invocation_metadata() or ():
+        if name == key:
+            return str(value)
+    return None
+
+
+def _basic_credentials(context: Any) -> tuple[str, str]:
+    header = _metadata(context, "authorization")
+    if header is None or not header.lower().startswith("basic "):
+        raise Refusal(
+            grpc.StatusCode.UNAUTHENTICATED,
+            "credentials needed: send 'authorization: Basic base64(user:password)' metadata",
+        )
+    try:
+        user, separator, password = base64.b64decode(header[6:].strip(), validate=True).decode().partition(":")
+    except (binascii.Error, UnicodeDecodeError):
+        raise Refusal(grpc.StatusCode.UNAUTHENTICATED, "malformed Basic credentials") from None
+    if not separator or not user:
+        raise Refusal(grpc.StatusCode.UNAUTHENTICATED, "malformed Basic credentials: expected user:password")
+    return user, password
+
+
+def _from_loopback(peer: str) -> bool:
+    """Whether gRPC's peer string ("ipv4:127.0.0.1:5000", "ipv6:[::1]:5000", "unix:...") is this machine."""
+    if peer.startswith("unix:"):
+        return True
+    host = peer.split(":", 1)[1].rsplit(":", 1)[0].strip("[]") if ":" in peer else ""
+    host = host.removeprefix("::ffff:")  # an IPv4 client of an IPv6 socket
+    return host == "::1" or host.startswith("127.")

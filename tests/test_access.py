@@ -1,0 +1,120 @@
+"""Unit tests of users, vhosts and permissions: the pure table, the records, passwords, credentials."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+
+from services.access import AccessTable, Operation, Permission, User, pattern_problem, tags_problem
+from services.access_guard import Principal, Refusal, _basic_credentials, _from_loopback, scoped_publisher
+from services.coordinator import access_records
+from services.coordinator.metadata import NotFound, QueueRecord, declare_queue
+from services.coordinator.sqlite_store import SqliteStore
+from services.passwords import PasswordChecks, hash_password, matches, password_problem
+
+TABLE = AccessTable.of(
+    [User("guest", "h", frozenset({"administrator"})), User("alice", "h"), User("bob", "h", frozenset({"monitoring"}))],
+    ["/", "v1"],
+    [
+        Permission("alice", "/", "^alice\\.", "^alice\\.|^shared$", "^alice\\."),
+        Permission("guest", "/", ".*", ".*", ".*"),
+    ],
+)
+
+
+def test_permissions_are_searched_per_operation_and_vhost() -> None:
+    assert TABLE.permission_problem("alice", "/", Operation.CONFIGURE, "alice.q") is None
+    assert TABLE.permission_problem("alice", "/", Operation.WRITE, "shared") is None
+    problem = TABLE.permission_problem("alice", "/", Operation.READ, "shared")
+    assert problem is not None and "may not read 'shared'" in problem
+    assert "no permissions in vhost 'v1'" in (TABLE.permission_problem("alice", "v1", Operation.READ, "alice.q") or "")
+    assert "no vhost 'v9'" in (TABLE.permission_problem("guest", "v9", Operation.READ, "q") or "")
+    empty = AccessTable.of([User("carol", "h")], ["/"], [Permission("carol", "/", "", "", "")])
+    assert empty.permission_problem("carol", "/", Operation.READ, "") is not None, "'' matches nothing"
+
+
+def test_tags_and_logins() -> None:
+    assert TABLE.tag_problem("bob", frozenset({"monitoring", "administrator"}), "look") is None
+    assert "needs the tag administrator" in (TABLE.tag_problem("bob", frozenset({"administrator"}), "add users") or "")
+    assert TABLE.login_problem("guest", loopback=True) is None
+    assert "only from loopback" in (TABLE.login_problem("guest", loopback=False) or "")
+    assert TABLE.login_problem("nobody", loopback=True) == "unknown user or wrong password"
+    assert tags_problem(["administrator", "root"]) is not None and tags_problem(["monitoring"]) is None
+    assert pattern_problem("(a+)+$") is None and pattern_problem("(") is not None
+    assert pattern_problem("a" * 5000) is not None
+
+
+def test_peers_and_credentials() -> None:
+    assert _from_loopback("ipv4:127.0.0.1:5000") and _from_loopback("ipv6:[::1]:5000")
+    assert _from_loopback("ipv6:[::ffff:127.0.0.1]:5000") and _from_loopback("unix:/tmp/s")
+    assert not _from_loopback("ipv4:10.0.0.2:5000") and not _from_loopback("ipv6:[fe80::1]:5000")
+
+    class Context:
+        def __init__(self, metadata: list[tuple[str, str]]) -> None:
+            self.metadata = metadata
+
+        def invocation_metadata(self) -> Any:
+            return self.metadata
+
+    token = base64.b64encode(b"alice:pa:ss").decode()
+    assert _basic_credentials(Context([("authorization", f"Basic {token}")])) == ("alice", "pa:ss")
+    for bad in (
+        [],
+        [("authorization", "Bearer x")],
+        [("authorization", "Basic !!!")],
+        [("authorization", "Basic eA==")],
+    ):
+        with pytest.raises(Refusal) as refused:
+            _basic_credentials(Context(bad))
+        assert refused.value.code == grpc.StatusCode.UNAUTHENTICATED
+    assert scoped_publisher(Principal("alice"), "p") == "alice\x1fp"
+    assert scoped_publisher(Principal(None), "p") == "p"
+
+
+def test_passwords_are_hashed_and_checks_remembered() -> None:
+    hashed = hash_password("s3cret")
+    assert hashed.startswith("$argon2id$") and "s3cret" not in hashed
+    assert matches(hashed, "s3cret") and not matches(hashed, "other") and not matches("not a hash", "x")
+    assert password_problem("") is not None and password_problem("x" * 1025) is not None
+
+    async def twice() -> tuple[bool, bool, bool]:
+        checks = PasswordChecks()
+        return (
+            await checks.check("u", hashed, "s3cret"),
+            await checks.check("u", hashed, "s3cret"),
+            await checks.check("u", hashed, "nope"),
+        )
+
+    assert asyncio.run(twice()) == (True, True, False)
+
+
+def test_access_records_seed_once_and_keep_what_depends_on_them(tmp_path: Path) -> None:
+    store = SqliteStore(str(tmp_path / "c.db"))
+    try:
+        assert access_records.seed(store, lambda password: f"hash:{password}")
+        assert not access_records.seed(store, lambda password: "again"), "seeded once"
+        assert [u.name for u in access_records.list_users(store)] == ["guest"]
+        assert access_records.list_vhosts(store) == ["/"]
+        access_records.delete_user(store, "guest")
+        assert not access_records.seed(store, hash_password), "a deleted guest stays deleted"
+        assert access_records.list_permissions(store) == [], "the user's permissions went with it"
+        with pytest.raises(ValueError):
+            access_records.add_user(store, "bad\nname", "h", [])
+        with pytest.raises(ValueError):
+            access_records.add_user(store, "x", "h", ["root"])
+        with pytest.raises(NotFound):
+            access_records.set_permissions(store, Permission("ghost", "/", ".*", ".*", ".*"))
+        access_records.add_user(store, "alice", "h", [])
+        access_records.add_vhost(store, "v1")
+        access_records.set_permissions(store, Permission("alice", "v1", ".*", "", ""))
+        declare_queue(store, QueueRecord("v1", "q"), ["n1"])
+        with pytest.raises(access_records.InUse):
+            access_records.delete_vhost(store, "v1")
+        assert access_records.list_permissions(store, vhost="v1") == [Permission("alice", "v1", ".*", "", "")]
+    finally:
+        store.close()
