@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import secrets
 import shutil
 import signal
 import sys
@@ -25,10 +26,12 @@ from pathlib import Path
 import grpc
 
 from ringq import aio, tracing
-from services import cluster
+from ringq.security import TLS, Credentials
+from services import certs, cluster
 
 NODE_ARGS = ["--failure-timeout-ms", "600", "--heartbeat-interval-ms", "100", "--grace-ms", "100"]
 QUEUE = "demo.orders"
+GUEST = Credentials("guest", "guest")  # seeded on a cluster's first start; accepted from loopback only
 RATE = 1000  # messages a second, offered (the consumer keeps up on 2 cores, so latencies mean something)
 TRACE_SAMPLE = 0.02  # one message in fifty carries a trace (unless OTEL_TRACES_SAMPLER says otherwise)
 
@@ -79,20 +82,39 @@ async def _watch_master(connection: aio.Connection, progress: Progress) -> None:
         await asyncio.sleep(0.1)
 
 
+async def _demo_user(info: cluster.ClusterInfo, tls: TLS) -> Credentials:
+    """A user made for this run (random password), with every permission on "/", made as guest."""
+    user = Credentials("demo", secrets.token_urlsafe(16))
+    async with aio.Admin(info.node_addresses, tls=tls, credentials=GUEST) as admin:
+        await admin.add_user(user.user, user.password)
+        await admin.set_permissions(user.user, configure=".*", write=".*", read=".*")
+    return user
+
+
 async def _traffic(directory: Path, seconds: float) -> tuple[str, float | None]:
-    info = cluster.up(3, directory / "cluster", node_args=[*NODE_ARGS, "--trace-dir", str(directory / "spans")])
-    print(
-        f"cluster up: coordinator {info.coordinator.address} (SQLite), "
-        + ", ".join(f"{n.name} {n.address}" for n in info.nodes)
+    info = cluster.up(
+        3, directory / "cluster", node_args=[*NODE_ARGS, "--trace-dir", str(directory / "spans")], tls=True
     )
-    admin = aio.Admin(info.node_addresses)
+    print(
+        f"cluster up with mutual TLS (certificates in {info.tls_dir}): coordinator {info.coordinator.address} "
+        "(SQLite), " + ", ".join(f"{n.name} {n.address}" for n in info.nodes)
+    )
+    tls = TLS(ca=certs.ca_paths(info.tls_dir).certificate)
+    user = await _demo_user(info, tls)
+    print(f"user {user.user!r} created, with every permission on the vhost / (guest works from loopback only)")
+    admin = aio.Admin(info.node_addresses, tls=tls, credentials=GUEST)
     await admin.set_policy("demo-ha", "^demo\\.", {"ha-mode": "all", "ha-sync-mode": "automatic"})
+    while sum(node.alive for node in (await admin.cluster_status()).nodes) < len(info.nodes):
+        await asyncio.sleep(0.1)  # placement sees every node only once its heartbeat has arrived
     await admin.close()
-    await asyncio.sleep(2.0)  # every node's heartbeat has reached the coordinator
     addresses = [n.address for n in info.nodes]
     histories = directory / "histories"
-    producing = aio.Connection(addresses, name="producer", history=str(histories / "history-producer.jsonl"))
-    consuming = aio.Connection(addresses, name="consumer", history=str(histories / "history-consumer.jsonl"))
+    producing = aio.Connection(
+        addresses, name="producer", history=str(histories / "history-producer.jsonl"), tls=tls, credentials=user
+    )
+    consuming = aio.Connection(
+        addresses, name="consumer", history=str(histories / "history-consumer.jsonl"), tls=tls, credentials=user
+    )
     status = await producing.declare_queue(QUEUE)
     while len(status.synchronised_mirrors) < 2:
         await asyncio.sleep(0.1)

@@ -20,7 +20,7 @@ import pytest
 
 from ringq import aio
 from ringq.security import TLS, Credentials
-from ringq.v1 import access_pb2, admin_pb2_grpc, coordinator_pb2
+from ringq.v1 import admin_pb2_grpc, coordinator_pb2
 from services import certs, cluster
 from tests.clusters import NODE_ARGS
 
@@ -58,15 +58,6 @@ def _connection(info: cluster.ClusterInfo, credentials: Credentials | None, *, v
     )
 
 
-async def _access_call(info: cluster.ClusterInfo, credentials: Credentials, method: str, request: Any) -> Any:
-    """One AdminService access call (the SDK's Admin has no verbs for them: ringqctl does)."""
-    admin = _admin(info, credentials)
-    try:
-        return await admin._call(method, request)
-    finally:
-        await admin.close()
-
-
 async def _users(info: cluster.ClusterInfo) -> None:
     """As guest (from loopback): vhost v1; alice may use alice.* in /, mallory may write alice.* too,
     bob only monitors; every node live."""
@@ -75,28 +66,12 @@ async def _users(info: cluster.ClusterInfo) -> None:
         while sum(node.alive for node in (await admin.cluster_status()).nodes) < 3:
             assert time.monotonic() < deadline, "not every node was live"
             await asyncio.sleep(0.05)
-    calls: list[tuple[str, Any]] = [
-        ("AddVhost", access_pb2.AddVhostRequest(name="v1")),
-        ("AddUser", access_pb2.AddUserRequest(name="alice", password=ALICE.password)),
-        ("AddUser", access_pb2.AddUserRequest(name="mallory", password=MALLORY.password)),
-        ("AddUser", access_pb2.AddUserRequest(name="bob", password=BOB.password, tags=["monitoring"])),
-        (
-            "SetPermissions",
-            access_pb2.SetPermissionsRequest(
-                permission=access_pb2.Permission(
-                    user="alice", vhost="/", configure="^alice\\.", write="^alice\\.", read="^alice\\."
-                )
-            ),
-        ),
-        (
-            "SetPermissions",
-            access_pb2.SetPermissionsRequest(
-                permission=access_pb2.Permission(user="mallory", vhost="/", configure="", write="^alice\\.", read="")
-            ),
-        ),
-    ]
-    for method, request in calls:
-        await _access_call(info, GUEST, method, request)
+        await admin.add_vhost("v1")
+        await admin.add_user("alice", ALICE.password)
+        await admin.add_user("mallory", MALLORY.password)
+        await admin.add_user("bob", BOB.password, ["monitoring"])
+        await admin.set_permissions("alice", configure="^alice\\.", write="^alice\\.", read="^alice\\.")
+        await admin.set_permissions("mallory", write="^alice\\.")
 
 
 async def _refused(call: Awaitable[Any], code: grpc.StatusCode) -> str:
@@ -172,16 +147,12 @@ def test_administration_needs_tags(secure: cluster.ClusterInfo) -> None:
         async with _admin(secure, BOB) as bob:
             assert len((await bob.cluster_status()).nodes) == 3  # monitoring may look
             await _refused(bob.set_policy("all-ttl", ".*", {"message-ttl": 1}), grpc.StatusCode.PERMISSION_DENIED)
-        await _refused(
-            _access_call(
-                secure, BOB, "AddUser", access_pb2.AddUserRequest(name="eve", password="x", tags=["administrator"])
-            ),
-            grpc.StatusCode.PERMISSION_DENIED,
-        )
-        # No response of the public API carries a password hash.
-        users = await _access_call(secure, BOB, "ListUsers", access_pb2.ListUsersRequest())
-        assert {u.name for u in users.users} >= {"guest", "alice", "bob"}
-        assert "$argon2" not in str(users)
+        async with _admin(secure, BOB) as bob:
+            await _refused(bob.add_user("eve", "x", ["administrator"]), grpc.StatusCode.PERMISSION_DENIED)
+            # No response of the public API carries a password hash.
+            users = await bob.list_users()
+            assert {u.name for u in users} >= {"guest", "alice", "bob"}
+            assert "$argon2" not in str(users)
 
     asyncio.run(scenario())
 
@@ -212,9 +183,8 @@ def test_permission_changes_reach_every_node(secure: cluster.ClusterInfo) -> Non
     async def scenario() -> None:
         async with _connection(secure, ALICE) as alice:
             await alice.declare_queue("alice.revoked")
-        await _access_call(
-            secure, GUEST, "ClearPermissions", access_pb2.ClearPermissionsRequest(user="alice", vhost="/")
-        )
+        async with _admin(secure, GUEST) as admin:
+            await admin.clear_permissions("alice")
         for node in secure.nodes:
             connection = aio.Connection(node.address, tls=_tls(secure), credentials=ALICE, retry_for=0.5)
 

@@ -8,6 +8,8 @@ B: Python publishes 500 with confirms; Node consumes and acks every one on its
 C: a Node consumer acking an unknown delivery tag on its stream gets
    FAILED_PRECONDITION, through a node that forwards to the queue's master.
 
+The cluster runs with TLS and authentication: both clients trust its CA and act as the
+user interop (created through AdminService), so each client's TLS and credentials are tested too.
 Queues are mirrored on every node (policy ^interop\\.). Skipped when `node` is
 not on PATH; `npm ci` runs in clients/node once if its node_modules is missing.
 """
@@ -20,25 +22,52 @@ import shutil
 import subprocess
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import grpc
 import pytest
 
-from ringq.v1 import coordinator_pb2, coordinator_pb2_grpc, queue_pb2, queue_pb2_grpc
-from services import cluster
-from tests.clusters import NODE_ARGS, every_node_live
+from ringq import aio
+from ringq.security import TLS, Credentials, authenticated
+from ringq.v1 import queue_pb2, queue_pb2_grpc
+from services import certs, cluster
+from tests.clusters import NODE_ARGS
 
 pytestmark = pytest.mark.integration
 
 NODE_CLIENT = Path(__file__).resolve().parents[1] / "clients" / "node"
 COUNT = 500
+USER = Credentials("interop", "interop-secret")
+USER_ARGS = (USER.user, USER.password)
+
+
+@dataclass(frozen=True)
+class Secure:
+    """The cluster's client addresses and what a client needs to reach them: the CA and a user."""
+
+    addresses: list[str]
+    ca: Path
+
+    def tls_args(self) -> list[str]:
+        return ["--tls-ca", str(self.ca), "--user", USER.user, "--password", USER.password]
+
+    def stub(self, channel: grpc.aio.Channel) -> Any:
+        return authenticated(queue_pb2_grpc.QueueServiceStub(channel), USER)
+
+    def channel(self, address: str) -> grpc.aio.Channel:
+        return grpc.aio.secure_channel(address, grpc.ssl_channel_credentials(self.ca.read_bytes()))
+
+
 # Test C: attach a consumer through the given node, ack a tag it never got, report how the stream ended.
 ACK_UNKNOWN_TAG = """
 const ringq = require('./ringq');
 (async () => {
-  const client = await ringq.connect(process.argv[1]);
+  const client = await ringq.connect(process.argv[1], {
+    tls: { ca: process.argv[3] },
+    credentials: { user: process.argv[4], password: process.argv[5] },
+  });
   const consumer = client.consume(process.argv[2], { prefetch: 10 }, () => {});
   consumer.ack({ deliveryTag: '987654321' });
   try {
@@ -72,24 +101,27 @@ def node() -> str:
 
 
 @pytest.fixture(scope="module")
-def addresses(node: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[str]]:
-    """A live 3-node cluster whose queues named interop.* are mirrored on every node: the nodes' addresses."""
+def secure(node: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Secure]:
+    """A live 3-node TLS cluster whose queues named interop.* are mirrored on every node, with the user
+    interop (every permission on /), set up as guest from loopback."""
     directory = tmp_path_factory.mktemp("interop-node")
-    info = cluster.up(3, directory, node_args=NODE_ARGS)
+    info = cluster.up(3, directory, node_args=NODE_ARGS, tls=True)
+    ca = certs.ca_paths(info.tls_dir).certificate
 
     async def setup() -> None:
-        definition = {"ha-mode": "all", "ha-sync-mode": "automatic"}
-        policy = coordinator_pb2.Policy(
-            vhost="/", name="interop", pattern="^interop\\.", definition_json=json.dumps(definition)
-        )
-        async with grpc.aio.insecure_channel(info.coordinator.address) as channel:
-            stub = coordinator_pb2_grpc.CoordinatorServiceStub(channel)
-            await stub.SetPolicy(coordinator_pb2.SetPolicyRequest(policy=policy))
-        await every_node_live(info)
+        guest = Credentials("guest", "guest")
+        async with aio.Admin(info.node_addresses, tls=TLS(ca=ca), credentials=guest, timeout=10) as admin:
+            await admin.set_policy("interop", "^interop\\.", {"ha-mode": "all", "ha-sync-mode": "automatic"})
+            await admin.add_user(USER.user, USER.password)
+            await admin.set_permissions(USER.user, configure=".*", write=".*", read=".*")
+            deadline = time.monotonic() + 20
+            while sum(n.alive for n in (await admin.cluster_status()).nodes) < 3:
+                assert time.monotonic() < deadline, "not every node was live"
+                await asyncio.sleep(0.05)
 
     try:
         asyncio.run(setup())
-        yield [n.address for n in info.nodes]
+        yield Secure(info.node_addresses, ca)
     finally:
         cluster.down(directory)
 
@@ -115,17 +147,18 @@ async def _wait_for_depth_zero(stub: Any, queue: str, timeout: float = 10.0) -> 
         await asyncio.sleep(0.05)
 
 
-def test_node_publishes_python_consumes_in_order_exactly_once(node: str, addresses: list[str]) -> None:
+def test_node_publishes_python_consumes_in_order_exactly_once(node: str, secure: Secure) -> None:
     queue = "interop.a"
+    addresses = secure.addresses
     published = _run_node(
         node, "cli.js", "publish", "--address", ",".join(addresses), "--queue", queue,
-        "--count", str(COUNT), "--publisher", "node-pub", "--declare",
+        "--count", str(COUNT), "--publisher", "node-pub", "--declare", *secure.tls_args(),
     )  # fmt: skip
     assert published["confirmed"] == COUNT and published["rejected"] == 0, published
 
     async def consume() -> tuple[list[queue_pb2.QueueDelivery], queue_pb2.QueueInfo]:
-        async with grpc.aio.insecure_channel(addresses[2]) as channel:
-            stub: Any = queue_pb2_grpc.QueueServiceStub(channel)
+        async with secure.channel(addresses[2]) as channel:
+            stub: Any = secure.stub(channel)
             call = stub.Consume()
             await call.write(queue_pb2.ConsumeRequest(queue=_ref(queue), prefetch=100))
             deliveries: list[queue_pb2.QueueDelivery] = []
@@ -149,18 +182,21 @@ def test_node_publishes_python_consumes_in_order_exactly_once(node: str, address
 
     deliveries, info = asyncio.run(consume())
     assert [d.body.decode() for d in deliveries] == [f"node-pub:{seq}" for seq in range(1, COUNT + 1)]
-    assert [(d.publisher, d.seq) for d in deliveries] == [("node-pub", seq) for seq in range(1, COUNT + 1)]
+    # Publisher ids are scoped to the user who publishes (USER\x1fID): no other user can forge them.
+    scoped = f"{USER.user}\x1fnode-pub"
+    assert [(d.publisher, d.seq) for d in deliveries] == [(scoped, seq) for seq in range(1, COUNT + 1)]
     assert not any(d.redelivered for d in deliveries)
     assert info.depth == 0, f"the queue still holds messages after 500 acks: {info}"
 
 
-def test_python_publishes_node_consumes_and_acks_on_its_stream(node: str, addresses: list[str]) -> None:
+def test_python_publishes_node_consumes_and_acks_on_its_stream(node: str, secure: Secure) -> None:
     queue = "interop.b"
+    addresses = secure.addresses
     bodies = [f"py-pub:{seq}".encode() for seq in range(1, COUNT + 1)]
 
     async def publish() -> dict[int, int]:
-        async with grpc.aio.insecure_channel(addresses[0]) as channel:
-            stub: Any = queue_pb2_grpc.QueueServiceStub(channel)
+        async with secure.channel(addresses[0]) as channel:
+            stub: Any = secure.stub(channel)
             await stub.DeclareQueue(queue_pb2.QueueDeclareRequest(queue=_ref(queue)), timeout=10)
             call = stub.Publish()
             for start in range(0, COUNT, 100):
@@ -181,13 +217,13 @@ def test_python_publishes_node_consumes_and_acks_on_its_stream(node: str, addres
     # Through the other nodes first: the consume stream, acks included, is forwarded to the master.
     consumed = _run_node(
         node, "cli.js", "consume", "--address", ",".join([addresses[2], addresses[1], addresses[0]]),
-        "--queue", queue, "--count", str(COUNT), "--prefetch", "50", "--timeout-ms", "20000",
+        "--queue", queue, "--count", str(COUNT), "--prefetch", "50", "--timeout-ms", "20000", *secure.tls_args(),
     )  # fmt: skip
     assert consumed["bodies"] == [b.decode() for b in bodies] and consumed["redelivered"] == 0
 
     async def status() -> queue_pb2.QueueInfo:
-        async with grpc.aio.insecure_channel(addresses[1]) as channel:
-            stub: Any = queue_pb2_grpc.QueueServiceStub(channel)
+        async with secure.channel(addresses[1]) as channel:
+            stub: Any = secure.stub(channel)
             deadline = time.monotonic() + 10
             while (info := await stub.QueueStatus(_ref(queue), timeout=5)).consumers and time.monotonic() < deadline:
                 await asyncio.sleep(0.05)  # the Node consumer's stream is gone: its cancel is on the way
@@ -199,16 +235,18 @@ def test_python_publishes_node_consumes_and_acks_on_its_stream(node: str, addres
     assert (info.depth, info.unacked, info.consumers) == (0, 0, 0), info
 
 
-def test_node_acking_an_unknown_delivery_tag_gets_failed_precondition(node: str, addresses: list[str]) -> None:
+def test_node_acking_an_unknown_delivery_tag_gets_failed_precondition(node: str, secure: Secure) -> None:
     queue = "interop.c"
+    addresses = secure.addresses
 
     async def declare() -> None:
-        async with grpc.aio.insecure_channel(addresses[0]) as channel:
-            stub: Any = queue_pb2_grpc.QueueServiceStub(channel)
+        async with secure.channel(addresses[0]) as channel:
+            stub: Any = secure.stub(channel)
             info = await stub.DeclareQueue(queue_pb2.QueueDeclareRequest(queue=_ref(queue)), timeout=10)
             assert info.master_node == "node1"
 
     asyncio.run(declare())
-    ended = _run_node(node, "-e", ACK_UNKNOWN_TAG, addresses[1], queue, timeout=30)  # node2 forwards to node1
+    # node2 forwards to node1
+    ended = _run_node(node, "-e", ACK_UNKNOWN_TAG, addresses[1], queue, str(secure.ca), *USER_ARGS, timeout=30)
     assert ended["code"] == "FAILED_PRECONDITION", ended
     assert "unknown delivery tag 987654321" in ended["details"], ended

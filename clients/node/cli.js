@@ -12,6 +12,8 @@
  *       prints one JSON line {"consumed":N,"redelivered":R,"bodies":[...in delivery order]};
  *       exit status 0 if N arrived within T ms (default 30000).
  *
+ * Both take --tls-ca PEM (TLS to the nodes, trusting that CA) and --user U --password P.
+ *
  * Errors go to stderr as one JSON line {"error":..., "code":...} with exit status 1
  * (2 for bad usage). --address may be repeated or comma-separated.
  */
@@ -21,8 +23,9 @@ const { parseArgs } = require('node:util');
 const ringq = require('./ringq');
 
 const USAGE = `usage:
-  node cli.js publish --address A[,B] --queue Q --count N [--publisher P] [--declare] [--durable]
-  node cli.js consume --address A[,B] --queue Q --count N [--prefetch K] [--timeout-ms T]`;
+  node cli.js publish --address A[,B] --queue Q --count N [--publisher P] [--declare] [--durable] [TLS]
+  node cli.js consume --address A[,B] --queue Q --count N [--prefetch K] [--timeout-ms T] [TLS]
+  TLS: [--tls-ca PEM] [--user U --password P]`;
 
 /** @param {unknown} value */
 function print(value) {
@@ -55,12 +58,19 @@ async function main(argv) {
       durable: { type: 'boolean', default: false },
       prefetch: { type: 'string', default: '100' },
       'timeout-ms': { type: 'string', default: '30000' },
+      'tls-ca': { type: 'string' },
+      user: { type: 'string' },
+      password: { type: 'string' },
     },
   });
   const addresses = (values.address ?? []).flatMap((a) => a.split(','));
   if (addresses.length === 0 || !values.queue || values.count === undefined) throw new UsageError(USAGE);
   const count = positive(values.count, 'count');
-  const client = await ringq.connect(addresses);
+  if ((values.user === undefined) !== (values.password === undefined)) throw new UsageError('--user and --password go together');
+  const client = await ringq.connect(addresses, {
+    tls: values['tls-ca'] ? { ca: values['tls-ca'] } : undefined,
+    credentials: values.user !== undefined ? { user: values.user, password: values.password ?? '' } : undefined,
+  });
   try {
     if (command === 'publish') return await publish(client, values.queue, count, values);
     if (command === 'consume') {

@@ -35,7 +35,8 @@
  *     delivery tag) ends the consumer and rejects `consumer.done`.
  *
  *     const ringq = require('./ringq');
- *     const client = await ringq.connect(['127.0.0.1:7101', '127.0.0.1:7102']);
+ *     const client = await ringq.connect(['127.0.0.1:7101', '127.0.0.1:7102'],
+ *       { tls: { ca: 'ca.pem' }, credentials: { user: 'alice', password: 'secret' } });
  *     await client.declareQueue('orders', { durable: true });
  *     const publisher = client.publisher('orders');
  *     await publisher.publish('hello');            // resolves on the confirm
@@ -51,6 +52,7 @@
 'use strict';
 
 const crypto = require('node:crypto');
+const fs = require('node:fs');
 const path = require('node:path');
 const grpc = require('@grpc/grpc-js');
 const protoLoader = require('@grpc/proto-loader');
@@ -163,7 +165,7 @@ class RejectedError extends Error {
  * Connect to a ringq cluster: resolves once one of `addresses` is reachable
  * (tried in order, round and round, until `connectTimeoutMs`).
  * @param {string[] | string} addresses "host:port" of any nodes (a string may list them comma-separated)
- * @param {{ vhost?: string, protosDir?: string, connectTimeoutMs?: number }} [options]
+ * @param {ConnectOptions & { connectTimeoutMs?: number }} [options]
  * @returns {Promise<Client>}
  */
 async function connect(addresses, options = {}) {
@@ -177,11 +179,43 @@ async function connect(addresses, options = {}) {
   return client;
 }
 
+/**
+ * @typedef {object} ConnectOptions
+ * @property {string} [vhost] the vhost of the queues named (default "/")
+ * @property {string} [protosDir] where protos/ is (default: the repository's)
+ * @property {{ ca?: string | Buffer, serverName?: string }} [tls] reach the nodes over TLS, trusting the CA
+ *   certificate `ca` (a PEM path or bytes; absent: the system's roots); `serverName` overrides the name checked
+ * @property {{ user: string, password: string }} [credentials] the user to act as, sent with every call
+ *   (`authorization: Basic ...`); only over TLS, so a password never crosses the network in clear
+ */
+
+/**
+ * The channel credentials `options` ask for: plaintext, or TLS with the user's credentials on every call.
+ * @param {ConnectOptions} options
+ */
+function channelCredentials(options) {
+  if (!options.tls) {
+    if (options.credentials) throw new Error('connect: credentials are sent only over TLS: give options.tls too');
+    return grpc.credentials.createInsecure();
+  }
+  const { ca } = options.tls;
+  const ssl = grpc.credentials.createSsl(typeof ca === 'string' ? fs.readFileSync(ca) : (ca ?? null));
+  if (!options.credentials) return ssl;
+  const { user, password } = options.credentials;
+  const authorization = `Basic ${Buffer.from(`${user}:${password}`).toString('base64')}`;
+  const perCall = grpc.credentials.createFromMetadataGenerator((_params, callback) => {
+    const metadata = new grpc.Metadata();
+    metadata.set('authorization', authorization);
+    callback(null, metadata);
+  });
+  return grpc.credentials.combineChannelCredentials(ssl, perCall);
+}
+
 /** A connection to a ringq cluster (one channel per address; failover to the next on UNAVAILABLE). */
 class Client {
   /**
    * @param {string[] | string} addresses
-   * @param {{ vhost?: string, protosDir?: string }} [options]
+   * @param {ConnectOptions} [options]
    */
   constructor(addresses, options = {}) {
     const list = (typeof addresses === 'string' ? addresses.split(',') : addresses).map((a) => a.trim()).filter(Boolean);
@@ -191,7 +225,10 @@ class Client {
     this.vhost = options.vhost ?? '/';
     const Service = loadService(options.protosDir ?? process.env.RINGQ_PROTOS ?? DEFAULT_PROTOS_DIR);
     /** @type {any[]} */
-    this.stubs = list.map((a) => new Service(a, grpc.credentials.createInsecure(), CHANNEL_OPTIONS));
+    const credentials = channelCredentials(options);
+    const serverName = options.tls?.serverName;
+    const channelOptions = serverName ? { ...CHANNEL_OPTIONS, 'grpc.ssl_target_name_override': serverName } : CHANNEL_OPTIONS;
+    this.stubs = list.map((a) => new Service(a, credentials, channelOptions));
     this.current = 0;
   }
 

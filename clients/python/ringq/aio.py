@@ -53,7 +53,7 @@ from ringq import tracing
 from ringq.history import History
 from ringq.keepalive import CHANNEL_KEEPALIVE
 from ringq.security import TLS, Credentials, aio_channel, authenticated
-from ringq.v1 import admin_pb2_grpc, coordinator_pb2, queue_pb2, queue_pb2_grpc
+from ringq.v1 import access_pb2, admin_pb2_grpc, coordinator_pb2, queue_pb2, queue_pb2_grpc
 
 CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", 64 * 1024 * 1024),
@@ -307,6 +307,11 @@ class Producer:
         self.connection = connection
         self.queue = queue
         self.publisher_id = publisher_id
+        # How the broker keeps it (what deliveries, spans and histories show): on a TLS cluster, where
+        # publisher ids are scoped to their user, USER\x1fID; else the id itself.
+        credentials = connection.credentials
+        scoped = connection.tls is not None and credentials is not None
+        self.scoped_id = f"{credentials.user}\x1f{publisher_id}" if scoped and credentials else publisher_id
         self.window = window
         self.batch = batch
         self.persistent = persistent
@@ -348,11 +353,11 @@ class Producer:
             pending.span = tracing.tracer().start_span(
                 "ringq.publish",
                 kind=trace.SpanKind.PRODUCER,
-                attributes={"ringq.queue": self.queue, "ringq.publisher": self.publisher_id, "ringq.seq": seq},
+                attributes={"ringq.queue": self.queue, "ringq.publisher": self.scoped_id, "ringq.seq": seq},
             )
             tracing.inject(pending.headers, pending.span)
         if history.on:
-            history.record("publish", queue=self.queue, publisher=self.publisher_id, seq=seq)
+            history.record("publish", queue=self.queue, publisher=self.scoped_id, seq=seq)
         self._unconfirmed[seq] = pending
         self._unsent.append(seq)
         self._idle.clear()
@@ -448,7 +453,7 @@ class Producer:
             pending.span.end()
         history = self.connection.history
         if history.on:
-            history.record("confirm", queue=self.queue, publisher=self.publisher_id, seq=seq, outcome=outcome.value)
+            history.record("confirm", queue=self.queue, publisher=self.scoped_id, seq=seq, outcome=outcome.value)
         if not pending.future.done():
             pending.future.set_result(outcome)
 
@@ -460,7 +465,7 @@ class Producer:
                 pending.span.set_status(trace.StatusCode.ERROR, str(error.code()))
                 pending.span.end()
             if history.on:
-                history.record("nack", queue=self.queue, publisher=self.publisher_id, seq=seq, error=str(error.code()))
+                history.record("nack", queue=self.queue, publisher=self.scoped_id, seq=seq, error=str(error.code()))
             if not pending.future.done():
                 pending.future.set_exception(error)
         self._unconfirmed.clear()
@@ -788,6 +793,42 @@ class Admin:
             "ClusterStatus", coordinator_pb2.ClusterStatusRequest()
         )
         return response
+
+    # ------------------------------------------------- users, vhosts, permissions (administrators)
+
+    async def add_user(self, name: str, password: str, tags: Sequence[str] = ()) -> None:
+        """Create a user, or replace its password and tags (administrator, monitoring, policymaker, management)."""
+        await self._call("AddUser", access_pb2.AddUserRequest(name=name, password=password, tags=list(tags)))
+
+    async def delete_user(self, name: str) -> None:
+        await self._call("DeleteUser", access_pb2.DeleteUserRequest(name=name))
+
+    async def change_password(self, name: str, password: str) -> None:
+        await self._call("ChangePassword", access_pb2.ChangePasswordRequest(name=name, password=password))
+
+    async def list_users(self) -> list[access_pb2.UserInfo]:
+        return list((await self._call("ListUsers", access_pb2.ListUsersRequest())).users)
+
+    async def add_vhost(self, name: str) -> None:
+        await self._call("AddVhost", access_pb2.AddVhostRequest(name=name))
+
+    async def delete_vhost(self, name: str) -> None:
+        await self._call("DeleteVhost", access_pb2.DeleteVhostRequest(name=name))
+
+    async def list_vhosts(self) -> list[str]:
+        return list((await self._call("ListVhosts", access_pb2.ListVhostsRequest())).vhosts)
+
+    async def set_permissions(self, user: str, *, configure: str = "", write: str = "", read: str = "") -> None:
+        """What `user` may do in this Admin's vhost: RE2 patterns of names ("" : nothing)."""
+        permission = access_pb2.Permission(user=user, vhost=self.vhost, configure=configure, write=write, read=read)
+        await self._call("SetPermissions", access_pb2.SetPermissionsRequest(permission=permission))
+
+    async def clear_permissions(self, user: str) -> None:
+        await self._call("ClearPermissions", access_pb2.ClearPermissionsRequest(user=user, vhost=self.vhost))
+
+    async def list_permissions(self) -> list[access_pb2.Permission]:
+        response = await self._call("ListPermissions", access_pb2.ListPermissionsRequest(vhost=self.vhost))
+        return list(response.permissions)
 
     async def close(self) -> None:
         for channel in self._channels.values():

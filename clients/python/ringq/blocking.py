@@ -27,7 +27,7 @@ from typing import Any, TypeVar
 
 from ringq import aio
 from ringq.aio import Delivery, Outcome
-from ringq.v1 import coordinator_pb2, queue_pb2
+from ringq.v1 import access_pb2, coordinator_pb2, queue_pb2
 
 T = TypeVar("T")
 _loop_lock = threading.Lock()
@@ -194,6 +194,36 @@ class Admin:
 
     def cluster_status(self) -> coordinator_pb2.ClusterStatusResponse:
         return _run(self.aio.cluster_status())
+
+    def add_user(self, name: str, password: str, tags: Sequence[str] = ()) -> None:
+        _run(self.aio.add_user(name, password, tags))
+
+    def delete_user(self, name: str) -> None:
+        _run(self.aio.delete_user(name))
+
+    def change_password(self, name: str, password: str) -> None:
+        _run(self.aio.change_password(name, password))
+
+    def list_users(self) -> list[access_pb2.UserInfo]:
+        return _run(self.aio.list_users())
+
+    def add_vhost(self, name: str) -> None:
+        _run(self.aio.add_vhost(name))
+
+    def delete_vhost(self, name: str) -> None:
+        _run(self.aio.delete_vhost(name))
+
+    def list_vhosts(self) -> list[str]:
+        return _run(self.aio.list_vhosts())
+
+    def set_permissions(self, user: str, *, configure: str = "", write: str = "", read: str = "") -> None:
+        _run(self.aio.set_permissions(user, configure=configure, write=write, read=read))
+
+    def clear_permissions(self, user: str) -> None:
+        _run(self.aio.clear_permissions(user))
+
+    def list_permissions(self) -> list[access_pb2.Permission]:
+        return _run(self.aio.list_permissions())
 
     def close(self) -> None:
         _run(self.aio.close())
