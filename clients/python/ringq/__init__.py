@@ -8,6 +8,6 @@ coordinator. `ringq.v1` holds the code generated from protos/.
 
 from ringq.aio import Delivery, Outcome
 from ringq.blocking import Admin, Connection, Consumer, Producer
-from ringq.security import TLS
+from ringq.security import TLS, Credentials
 
-__all__ = ["TLS", "Admin", "Connection", "Consumer", "Delivery", "Outcome", "Producer"]
+__all__ = ["TLS", "Credentials", "Admin", "Connection", "Consumer", "Delivery", "Outcome", "Producer"]
