@@ -7,9 +7,12 @@ running in this container (read from /proc), with a wildcard host (0.0.0.0, ::) 
 Exit 0 once an HTTP/2 connection to it is up within TIMEOUT_SECONDS; otherwise exit 1 with one line on
 stderr, which Docker keeps in the health log (`docker inspect --format '{{json .State.Health}}' NAME`).
 
-What it proves: the gRPC server is listening and speaks HTTP/2. What it does not: that a node has
-registered with the coordinator or joined its rings (a node serves first and then waits for the
-coordinator for as long as it takes, so an unhealthy node would only hide a coordinator outage).
+With TLS (the process runs with --tls-ca, --tls-cert and --tls-key), the probe completes a TLS
+handshake with the process's own certificate, so it works on a coordinator's port too, which takes
+only cluster members. What it proves: the gRPC server is listening and speaks HTTP/2 (over TLS).
+What it does not: that a node has registered with the coordinator or joined its rings (a node serves
+first and then waits for the coordinator for as long as it takes, so an unhealthy node would only
+hide a coordinator outage).
 """
 
 from __future__ import annotations
@@ -41,6 +44,27 @@ def listen_address(command_lines: Iterable[Sequence[str]]) -> str | None:
     return None
 
 
+def flag_value(command_lines: Iterable[Sequence[str]], flag: str) -> str | None:
+    """The value of `flag` (`--flag V` or `--flag=V`) in the first command line that has it."""
+    for argv in command_lines:
+        for position, argument in enumerate(argv):
+            if argument == flag and position + 1 < len(argv):
+                return argv[position + 1]
+            if argument.startswith(f"{flag}="):
+                return argument.removeprefix(f"{flag}=")
+    return None
+
+
+def tls_files(command_lines: Sequence[Sequence[str]]) -> tuple[str, str, str] | None:
+    """(CA, certificate, key) of the ringq process's --tls-* flags, or None if it runs plaintext."""
+    files = [flag_value(command_lines, flag) for flag in ("--tls-ca", "--tls-cert", "--tls-key")]
+    if any(f is None for f in files):
+        return None
+    ca, certificate, key = files
+    assert ca is not None and certificate is not None and key is not None
+    return ca, certificate, key
+
+
 def process_command_lines(proc: Path = Path("/proc")) -> list[list[str]]:
     """The command lines of the other processes visible in `proc`, oldest (lowest pid) first."""
     pids = sorted(
@@ -56,9 +80,15 @@ def process_command_lines(proc: Path = Path("/proc")) -> list[list[str]]:
     return lines
 
 
-def probe(address: str, timeout: float = TIMEOUT_SECONDS) -> str | None:
-    """None when a gRPC channel to `address` becomes ready within `timeout` seconds, else why not."""
-    with grpc.insecure_channel(address) as channel:
+def probe(address: str, timeout: float = TIMEOUT_SECONDS, tls: tuple[str, str, str] | None = None) -> str | None:
+    """None when a gRPC channel to `address` (TLS with `tls`' CA, certificate and key) becomes ready
+    within `timeout` seconds, else why not."""
+    if tls is None:
+        channel = grpc.insecure_channel(address)
+    else:
+        ca, certificate, key = (Path(path).read_bytes() for path in tls)
+        channel = grpc.secure_channel(address, grpc.ssl_channel_credentials(ca, key, certificate))
+    with channel:
         try:
             grpc.channel_ready_future(channel).result(timeout=timeout)
         except grpc.FutureTimeoutError:
@@ -67,11 +97,15 @@ def probe(address: str, timeout: float = TIMEOUT_SECONDS) -> str | None:
 
 
 def main(argv: Sequence[str]) -> int:
-    address = argv[0] if argv else os.environ.get(ADDRESS_VARIABLE) or listen_address(process_command_lines())
+    lines = process_command_lines()
+    address = argv[0] if argv else os.environ.get(ADDRESS_VARIABLE) or listen_address(lines)
     if address is None:
         print(f"healthcheck: no process with --listen here; give HOST:PORT or set ${ADDRESS_VARIABLE}", file=sys.stderr)
         return 1
-    problem = probe(address)
+    try:
+        problem = probe(address, tls=tls_files(lines))
+    except OSError as error:
+        problem = f"cannot read the TLS files: {error}"
     if problem is not None:
         print(f"healthcheck: {problem}", file=sys.stderr)
         return 1

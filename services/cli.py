@@ -95,6 +95,7 @@ def _run_coordinator(args: argparse.Namespace) -> int:
         ("--tls-ca", args.tls_ca),
         ("--tls-cert", args.tls_cert),
         ("--tls-key", args.tls_key),
+        ("--default-user", args.default_user),
     ):
         if value is not None:
             argv += [flag, value]
@@ -207,6 +208,9 @@ def build_parser() -> argparse.ArgumentParser:
     coordinator.add_argument("--zookeeper", metavar="HOSTS", help="zookeeper: the ensemble, HOST:PORT[,HOST:PORT...]")
     coordinator.add_argument("--zookeeper-root", metavar="ZNODE", help="zookeeper: the root znode (default /ringq)")
     coordinator.add_argument("--ready-file", help="write the bound HOST:PORT here once listening")
+    coordinator.add_argument(
+        "--default-user", help="a new cluster's administrator (default guest; password: $RINGQ_DEFAULT_PASSWORD)"
+    )
     _tls_arguments(coordinator)
 
     node = command(commands, "node", "run a broker node in the foreground", _run_node)

@@ -118,3 +118,20 @@ def test_access_records_seed_once_and_keep_what_depends_on_them(tmp_path: Path) 
         assert access_records.list_permissions(store, vhost="v1") == [Permission("alice", "v1", ".*", "", "")]
     finally:
         store.close()
+
+
+def test_a_cluster_can_start_with_an_administrator_of_its_own(tmp_path: Path) -> None:
+    """`ringq coordinator --default-user admin` ($RINGQ_DEFAULT_PASSWORD): no guest, and the
+    administrator may connect from anywhere (only guest is held to loopback)."""
+    store = SqliteStore(str(tmp_path / "c.db"))
+    try:
+        assert access_records.seed(store, lambda password: f"hash:{password}", "admin", "s3cret")
+        users = access_records.list_users(store)
+        assert [(u.name, u.password_hash, sorted(u.tags)) for u in users] == [
+            ("admin", "hash:s3cret", ["administrator"])
+        ]
+        table = AccessTable.of(users, access_records.list_vhosts(store), access_records.list_permissions(store))
+        assert table.login_problem("admin", loopback=False) is None
+        assert table.permission_problem("admin", "/", Operation.CONFIGURE, "anything") is None
+    finally:
+        store.close()

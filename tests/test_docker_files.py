@@ -40,12 +40,12 @@ from typing import Any
 import grpc
 import pytest
 
-from services import cli
+from services import certs, cli
 
 REPO = Path(__file__).resolve().parents[1]
 DOCKER = REPO / "docker"
 NODES = ("node1", "node2", "node3")
-SERVICES = {"coordinator", *NODES, "otel-collector", "collector-output-init", "jaeger", "pipeline"}
+SERVICES = {"certs", "coordinator", *NODES, "otel-collector", "collector-output-init", "jaeger", "pipeline"}
 RINGQ_IMAGE = "ringq:local"
 # What only pipeline/ uses; the broker image leaves them out (docker/Dockerfile, broker-deps).
 PIPELINE_ONLY = {"pyspark", "pandas", "pyarrow", "matplotlib"}
@@ -687,6 +687,48 @@ def test_nodes_point_at_the_coordinator_and_the_collector(compose: dict[str, Any
         assert mounts[environment["RINGQ_TRACE_DIR"]] == "traces"
         assert mounts["/var/lib/ringq/data"] == f"{name}-data", "durable queues live in data/NODE_ID"
     assert len({commands[n].listen.rpartition(":")[2] for n in NODES}) == len(NODES), "one port per node"
+
+
+def test_every_member_runs_with_tls_from_the_certs_volume(compose: dict[str, Any]) -> None:
+    services = _services(compose)
+    commands = _ringq_commands(compose)
+    certs_service = services["certs"]
+    script = _strings(certs_service["entrypoint"], "certs.entrypoint")[-1]
+    tls_dir = next(target for target, source in _volume_mounts(certs_service).items() if source == "tls")
+    assert "ringq certs coordinator" in script and "ringq certs node" in script and "chown -R 1000:1000" in script
+    made = {f"{tls_dir}/ca.pem", f"{tls_dir}/coordinator.pem", f"{tls_dir}/coordinator.key"}
+    made |= {f"{tls_dir}/node-{name}.{ext}" for name in NODES for ext in ("pem", "key")}
+    assert "for n in 1 2 3" in script and "--id node$$n" in script, "one certificate per node"
+    for name, parsed in commands.items():
+        service = services[name]
+        assert {parsed.tls_ca, parsed.tls_cert, parsed.tls_key} <= made, f"{name} uses files certs does not make"
+        assert _volume_mounts(service)[tls_dir] == "tls"
+        assert f"tls:{tls_dir}:ro" in service["volumes"], f"{name} reads its certificates read-only"
+        assert service["depends_on"]["certs"] == {"condition": "service_completed_successfully"}
+        expected = f"{tls_dir}/coordinator" if name == "coordinator" else f"{tls_dir}/node-{name}"
+        assert (parsed.tls_cert, parsed.tls_key) == (f"{expected}.pem", f"{expected}.key")
+    coordinator = services["coordinator"]
+    assert commands["coordinator"].default_user == "${RINGQ_ADMIN_USER:-admin}"
+    assert coordinator["environment"]["RINGQ_DEFAULT_PASSWORD"].startswith("${RINGQ_ADMIN_PASSWORD:?")
+
+
+def test_healthcheck_probes_a_tls_server_with_the_process_certificate(tmp_path: Path) -> None:
+    healthcheck = _load("healthcheck")
+    certs.issue_coordinator(tmp_path)
+    issued, ca = certs.coordinator_paths(tmp_path), certs.ca_paths(tmp_path).certificate
+    lines = [["ringq", "coordinator", "--listen", "127.0.0.1:0", "--tls-ca", str(ca), "--tls-cert",
+              str(issued.certificate), f"--tls-key={issued.key}"]]  # fmt: skip
+    files = healthcheck.tls_files(lines)
+    assert files == (str(ca), str(issued.certificate), str(issued.key))
+    assert healthcheck.tls_files([["ringq", "node", "--tls-ca", "x"]]) is None
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=1))
+    port = server.add_secure_port("127.0.0.1:0", certs.load_coordinator(tmp_path).cluster_server_credentials())
+    server.start()
+    try:
+        assert healthcheck.probe(f"127.0.0.1:{port}", timeout=5.0, tls=files) is None
+        assert healthcheck.probe(f"127.0.0.1:{port}", timeout=0.5) is not None, "plaintext cannot pass"
+    finally:
+        server.stop(grace=None).wait()
 
 
 def test_ports_are_published_on_loopback_only(compose: dict[str, Any]) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import sys
 
 from services import tls
@@ -65,6 +66,12 @@ def main(argv: list[str] | None = None, *, prog: str = "python -m services.coord
     )
     parser.add_argument("--ready-file", help="write the bound HOST:PORT here once listening")
     tls.add_arguments(parser)
+    parser.add_argument(
+        "--default-user",
+        default=os.environ.get("RINGQ_DEFAULT_USER", "guest"),
+        help="the administrator a new cluster starts with (default $RINGQ_DEFAULT_USER, else guest, which is "
+        "accepted from loopback only); its password is $RINGQ_DEFAULT_PASSWORD (default: the user's name)",
+    )
     args = parser.parse_args(argv)
     if args.store == "zookeeper":
         if args.zookeeper is None:
@@ -85,6 +92,7 @@ def main(argv: list[str] | None = None, *, prog: str = "python -m services.coord
                 zookeeper_hosts=args.zookeeper,
                 zookeeper_root=args.zookeeper_root or DEFAULT_ZOOKEEPER_ROOT,
                 tls=cluster_tls,
+                default_user=(args.default_user, os.environ.get("RINGQ_DEFAULT_PASSWORD", args.default_user)),
             )
         )
     except StoreUnavailable as exc:

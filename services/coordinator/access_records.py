@@ -158,14 +158,15 @@ def list_permissions(store: Store, *, vhost: str = "", user: str = "") -> list[P
 # ------------------------------------------------------------------------------------ seeding
 
 
-def seed(store: Store, hash_password: Callable[[str], str]) -> bool:
-    """On a cluster's first start: the vhost "/" and guest/guest with every permission there.
-    False if the cluster was seeded before (what administrators changed since is kept)."""
+def seed(store: Store, hash_password: Callable[[str], str], user: str = GUEST, password: str = GUEST) -> bool:
+    """On a cluster's first start: the vhost "/" and an administrator `user` (default guest/guest, which
+    is accepted from loopback only) with every permission there. False if the cluster was seeded
+    before (what administrators changed since is kept)."""
     if store.get(SEEDED, "seeded") is not None:
         return False
     add_vhost(store, DEFAULT_VHOST)
-    if store.get(USER, _key(GUEST)) is None:
-        add_user(store, GUEST, hash_password(GUEST), ["administrator"])
-    set_permissions(store, Permission(GUEST, DEFAULT_VHOST, ".*", ".*", ".*"))
+    if store.get(USER, _key(user)) is None:
+        add_user(store, user, hash_password(password), ["administrator"])
+    set_permissions(store, Permission(user, DEFAULT_VHOST, ".*", ".*", ".*"))
     store.put(SEEDED, "seeded", {"seeded": True}, 0)  # a concurrent seeder wrote the same
     return True

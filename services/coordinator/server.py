@@ -23,6 +23,7 @@ import grpc
 
 from ringq.keepalive import SERVER_KEEPALIVE
 from ringq.v1 import coordinator_pb2, coordinator_pb2_grpc, group_table_pb2
+from services.access import GUEST
 from services.coordinator import access_records, metadata, records
 from services.coordinator.access_service import AccessRpcs
 from services.coordinator.convert import (
@@ -219,7 +220,12 @@ def open_store(
 
 
 async def create_server(
-    address: str, store: Store, *, liveness_ms: int = DEFAULT_LIVENESS_MS, tls: ClusterTLS | None = None
+    address: str,
+    store: Store,
+    *,
+    liveness_ms: int = DEFAULT_LIVENESS_MS,
+    tls: ClusterTLS | None = None,
+    default_user: tuple[str, str] = (GUEST, GUEST),
 ) -> tuple[grpc.aio.Server, int]:
     """Start serving `store` on `address` (port 0 picks a free port); returns the server and its port.
 
@@ -230,8 +236,10 @@ async def create_server(
     and this coordinator's registration (so cluster_status lists it).
     """
     server = grpc.aio.server(options=SERVER_KEEPALIVE, interceptors=[RequestGuard(admit=member_problem)])
-    if await asyncio.to_thread(access_records.seed, store, hash_password):
-        log.info("first start: made the vhost / and the user guest (password guest, loopback only)")
+    user, password = default_user
+    if await asyncio.to_thread(access_records.seed, store, hash_password, user, password):
+        only = " (accepted from loopback only)" if user == GUEST else ""
+        log.info("first start: made the vhost / and the administrator %r%s", user, only)
     feed = ChangeFeed(store)
     await feed.start()
     passes = PlacementPasses()
@@ -359,6 +367,7 @@ async def serve(
     zookeeper_hosts: str | None = None,
     zookeeper_root: str = "/ringq",
     tls: ClusterTLS | None = None,
+    default_user: tuple[str, str] = (GUEST, GUEST),
 ) -> None:
     """Serve a store on `listen` until SIGTERM or SIGINT, then stop with a 1 s grace.
 
@@ -370,7 +379,7 @@ async def serve(
     )
     where = f"db {db_path}" if store_kind == "sqlite" else f"zookeeper {zookeeper_hosts} {zookeeper_root}"
     try:
-        server, port = await create_server(listen, store, tls=tls)
+        server, port = await create_server(listen, store, tls=tls, default_user=default_user)
         try:
             stop = asyncio.Event()
             loop = asyncio.get_running_loop()

@@ -10,4 +10,4 @@ from ringq.aio import Delivery, Outcome
 from ringq.blocking import Admin, Connection, Consumer, Producer
 from ringq.security import TLS, Credentials
 
-__all__ = ["TLS", "Credentials", "Admin", "Connection", "Consumer", "Delivery", "Outcome", "Producer"]
+__all__ = ["TLS", "Admin", "Connection", "Consumer", "Credentials", "Delivery", "Outcome", "Producer"]
