@@ -106,8 +106,10 @@ SLOW_JOIN_NOTE_SECONDS = 5.0
 # least one payload), so one flush of many large payloads becomes several events.
 MAX_DELIVERY_EVENT_BYTES = 4 * 1024 * 1024
 JOIN_ATTEMPTS = 5
-# How long an administration call waits for a coordinator that does not answer.
-ADMIN_RETRY_SECONDS = 5.0
+# How long a client's call (a declare, an administration call...) waits for the coordinator to answer
+# or to be able to: then the client gets the coordinator's last status (e.g. UNAVAILABLE: no node can
+# take the queue) rather than a call that hangs.
+CLIENT_CALL_RETRY_SECONDS = 5.0
 # A node sending ring messages in another's name is logged at most this often.
 IMPOSTOR_NOTE_SECONDS = 60.0
 # RabbitMQ's default disk_free_limit: enough room to write a few more batches and the logs.
@@ -641,13 +643,14 @@ async def serve(
     group_pb2_grpc.add_GroupServiceServicer_to_server(GroupServicer(node, access), client_server)
     peer_pb2_grpc.add_PeerServiceServicer_to_server(PeerServicer(node), cluster_server)
     queues = QueueManager(node, client, settings.data_dir, settings.recovery_wait)
+    # Clients' calls that need the coordinator retry for seconds, not for as long as it takes.
+    client_calls = CoordinatorClient(coordinator, retry_seconds=CLIENT_CALL_RETRY_SECONDS, dialer=dialer)
     queue_servicer = QueueServicer(
-        node.id, queues, client, node.address_of, node.peer_channel, node.memory.wait_clear, address, access
+        node.id, queues, client_calls, node.address_of, node.peer_channel, node.memory.wait_clear, address, access
     )
     queue_pb2_grpc.add_QueueServiceServicer_to_server(queue_servicer, client_server)
-    # Administration for clients: answered from the coordinator, retried for as long as a client waits.
-    admin = CoordinatorClient(coordinator, retry_seconds=ADMIN_RETRY_SECONDS, dialer=dialer)
-    client_server.add_generic_rpc_handlers((admin_handler(admin, access),))
+    # Administration for clients: answered from the coordinator.
+    client_server.add_generic_rpc_handlers((admin_handler(client_calls, access),))
     if cluster_server is not client_server:
         # Relayed queue calls come from other nodes, on the cluster port.
         queue_pb2_grpc.add_QueueServiceServicer_to_server(queue_servicer, cluster_server)
@@ -677,7 +680,7 @@ async def serve(
         background.cancel()
     await queues.stop()
     await node.stop()
-    await admin.close()
+    await client_calls.close()
     await client_server.stop(grace=1.0)
     if cluster_server is not client_server:
         await cluster_server.stop(grace=1.0)

@@ -5,13 +5,14 @@ INVALID_ARGUMENT naming the limit, adds nothing, and the queue goes on serving (
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Iterator
 
 import grpc
 import pytest
 
 from ringq import aio
-from ringq.v1 import queue_pb2, queue_pb2_grpc
+from ringq.v1 import admin_pb2_grpc, coordinator_pb2, queue_pb2, queue_pb2_grpc
 from services import cluster
 from services.coordinator.policies import MAX_TTL_MS
 from services.queue.service import MAX_HEADER_BYTES, MAX_MESSAGES_PER_PUBLISH
@@ -68,3 +69,31 @@ def test_a_request_past_a_bound_is_refused_and_the_queue_goes_on(
             assert (await connection.queue_status(QUEUE.queue)).depth == before + 1
 
     asyncio.run(scenario())
+
+
+def test_a_declare_no_node_can_take_fails_within_seconds_with_the_reason(node: cluster.ProcessInfo) -> None:
+    """It once retried for days: the node's coordinator client waited "as long as it takes"."""
+
+    async def scenario() -> None:
+        async with aio.Admin([node.address]) as admin, aio.Connection([node.address], retry_for=1) as connection:
+            await _set_draining(node, True)
+            try:
+                started = time.monotonic()
+                with pytest.raises(grpc.aio.AioRpcError) as refused:
+                    await connection.declare_queue("nowhere")
+                waited = time.monotonic() - started
+                assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+                assert "no node can take the queue" in (refused.value.details() or ""), refused.value.details()
+                assert waited < 20, f"the declare took {waited:.1f} s to fail"
+                assert "nowhere" not in [q.name for q in await admin.list_queues()]
+            finally:
+                await _set_draining(node, False)
+            await connection.declare_queue("somewhere")
+
+    asyncio.run(scenario())
+
+
+async def _set_draining(node: cluster.ProcessInfo, draining: bool) -> None:
+    async with grpc.aio.insecure_channel(node.address) as channel:
+        request = coordinator_pb2.SetNodeDrainingRequest(node=node.name, draining=draining)
+        await admin_pb2_grpc.AdminServiceStub(channel).SetNodeDraining(request, timeout=10)

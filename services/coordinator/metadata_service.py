@@ -74,8 +74,12 @@ async def mapped(context: _Context, work: Awaitable[_T]) -> _T:
         await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(error))
     except Conflict as error:
         await context.abort(grpc.StatusCode.ABORTED, str(error))
-    except NoLiveNodes as error:
-        await context.abort(grpc.StatusCode.UNAVAILABLE, f"no live node to place the queue on: {error}")
+    except NoLiveNodes:
+        await context.abort(
+            grpc.StatusCode.UNAVAILABLE,
+            "no node can take the queue now: none is live and not draining "
+            "(start or undrain a node: ringqctl cluster_status shows them)",
+        )
     except ValueError as error:
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
     raise AssertionError("unreachable: abort raises")
