@@ -96,6 +96,7 @@ def _run_coordinator(args: argparse.Namespace) -> int:
         ("--tls-cert", args.tls_cert),
         ("--tls-key", args.tls_key),
         ("--default-user", args.default_user),
+        ("--max-queues-per-vhost", args.max_queues_per_vhost),
     ):
         if value is not None:
             argv += [flag, value]
@@ -211,6 +212,7 @@ def build_parser() -> argparse.ArgumentParser:
     coordinator.add_argument(
         "--default-user", help="a new cluster's administrator (default guest; password: $RINGQ_DEFAULT_PASSWORD)"
     )
+    coordinator.add_argument("--max-queues-per-vhost", metavar="N", help="queues one vhost may have (default 20000)")
     _tls_arguments(coordinator)
 
     node = command(commands, "node", "run a broker node in the foreground", _run_node)

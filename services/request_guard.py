@@ -23,6 +23,11 @@ import grpc
 log = logging.getLogger("ringq.requests")
 
 LOG_INTERVAL_SECONDS = 10.0
+# Concurrent streams (calls) one client connection may have open on a ringq server (HTTP/2's
+# SETTINGS_MAX_CONCURRENT_STREAMS): a client opening more waits for one to end, so one connection
+# cannot pile up unbounded per-call state on a node.
+MAX_STREAMS_PER_CONNECTION = 1024
+STREAM_LIMIT_OPTION = ("grpc.max_concurrent_streams", MAX_STREAMS_PER_CONNECTION)
 _MAX_HOSTS_REMEMBERED = 1024
 
 

@@ -21,6 +21,7 @@ from services.coordinator.group_table import (
     MarkMemberDead,
     Outcome,
 )
+from services.coordinator.metadata import QueueRecord
 from services.coordinator.server import create_server
 from services.coordinator.sqlite_store import SqliteStore
 
@@ -148,5 +149,32 @@ def test_client_gives_up_after_retry_seconds() -> None:
                 await client.read_group("g")
             assert raised.value.code() is grpc.StatusCode.UNAVAILABLE
             assert 0.5 <= time.monotonic() - started < 3
+
+    asyncio.run(main())
+
+
+def test_a_vhost_holds_at_most_max_queues_per_vhost(tmp_path: Path) -> None:
+    """Past the limit a declare gets RESOURCE_EXHAUSTED naming the setting; other vhosts, and declares of
+    queues that exist, are unaffected."""
+
+    async def main() -> None:
+        store = SqliteStore(str(tmp_path / "coordinator.db"))
+        server, port = await create_server("127.0.0.1:0", store, max_queues_per_vhost=3)
+        client = CoordinatorClient(f"127.0.0.1:{port}", retry_seconds=1)
+        try:
+            await client.register_node("n1", "127.0.0.1:7001")
+            await client.node_heartbeat("n1")
+            for k in range(3):
+                await client.declare_queue(QueueRecord("/", f"q{k}"))
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await client.declare_queue(QueueRecord("/", "q3"))
+            assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "--max-queues-per-vhost 3" in (refused.value.details() or "")
+            assert (await client.declare_queue(QueueRecord("/", "q0"))).name == "q0", "an existing one is found"
+            await client.declare_queue(QueueRecord("other", "q3"))
+        finally:
+            await client.close()
+            await server.stop(None)
+            store.close()
 
     asyncio.run(main())

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
+from typing import Any
 
 import grpc
 import pytest
@@ -16,6 +17,7 @@ from ringq.v1 import admin_pb2_grpc, coordinator_pb2, queue_pb2, queue_pb2_grpc
 from services import cluster
 from services.coordinator.policies import MAX_TTL_MS
 from services.queue.service import MAX_HEADER_BYTES, MAX_MESSAGES_PER_PUBLISH
+from services.request_guard import MAX_STREAMS_PER_CONNECTION
 from tests.clusters import live_cluster
 
 pytestmark = pytest.mark.integration
@@ -97,3 +99,42 @@ async def _set_draining(node: cluster.ProcessInfo, draining: bool) -> None:
     async with grpc.aio.insecure_channel(node.address) as channel:
         request = coordinator_pb2.SetNodeDrainingRequest(node=node.name, draining=draining)
         await admin_pb2_grpc.AdminServiceStub(channel).SetNodeDraining(request, timeout=10)
+
+
+def test_one_connection_has_at_most_max_streams_open_and_the_rest_wait(node: cluster.ProcessInfo) -> None:
+    """HTTP/2's concurrent-stream limit on the node: a client opening more calls on one connection than
+    MAX_STREAMS_PER_CONNECTION gets the rest served as earlier ones end, and the node goes on."""
+
+    async def consumers(connection: aio.Connection) -> int:
+        return (await connection.queue_status("streams")).consumers
+
+    async def scenario() -> None:
+        async with aio.Connection([node.address], retry_for=5) as connection:
+            await connection.declare_queue("streams")
+            async with grpc.aio.insecure_channel(node.address) as channel:
+                stub: Any = queue_pb2_grpc.QueueServiceStub(channel)
+                attach = queue_pb2.ConsumeRequest(queue=queue_pb2.QueueRef(queue="streams"), prefetch=1)
+                # Request streams kept open (a half-closed one ends its consumer); the writes of the streams
+                # past the limit wait until the node lets them open.
+                calls = [stub.Consume() for _ in range(MAX_STREAMS_PER_CONNECTION + 50)]
+                readers = [asyncio.ensure_future(call.write(attach)) for call in calls]
+                await _until(lambda: consumers(connection), lambda n: n == MAX_STREAMS_PER_CONNECTION)
+                for call in calls[:50]:
+                    call.cancel()
+                # Waiting streams take the places of those that ended; never more than the limit at once.
+                limit = MAX_STREAMS_PER_CONNECTION
+                await _until(lambda: consumers(connection), lambda n: limit - 50 < n <= limit)
+                assert await consumers(connection) <= limit
+                for call in calls:
+                    call.cancel()
+                await asyncio.gather(*readers, return_exceptions=True)
+            await _until(lambda: consumers(connection), lambda n: n == 0)
+
+    asyncio.run(scenario())
+
+
+async def _until(read: Callable[[], Awaitable[int]], wanted: Callable[[int], bool], timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not wanted(value := await read()):
+        assert time.monotonic() < deadline, f"still {value} after {timeout:g} s"
+        await asyncio.sleep(0.1)

@@ -17,7 +17,7 @@ import sys
 
 from services import tls
 from services.arguments import OneLineParser, address_problem
-from services.coordinator.server import serve
+from services.coordinator.server import DEFAULT_MAX_QUEUES_PER_VHOST, serve
 from services.coordinator.store import StoreUnavailable
 
 DEFAULT_DB = "./coordinator.db"
@@ -47,6 +47,13 @@ def _znode(text: str) -> str:
     return text
 
 
+def _positive(text: str) -> int:
+    """argparse type: a whole number from 1 to 10^9."""
+    if not text.isascii() or not text.isdigit() or not 1 <= int(text) <= 10**9:
+        raise argparse.ArgumentTypeError(f"expected a whole number from 1 to 1000000000, got {text!r}")
+    return int(text)
+
+
 def main(argv: list[str] | None = None, *, prog: str = "python -m services.coordinator") -> None:
     """Run the coordinator with `argv`; `prog` starts usage errors (the ringq command passes "ringq")."""
     parser = OneLineParser(
@@ -72,6 +79,12 @@ def main(argv: list[str] | None = None, *, prog: str = "python -m services.coord
         help="the administrator a new cluster starts with (default $RINGQ_DEFAULT_USER, else guest, which is "
         "accepted from loopback only); its password is $RINGQ_DEFAULT_PASSWORD (default: the user's name)",
     )
+    parser.add_argument(
+        "--max-queues-per-vhost",
+        type=_positive,
+        default=DEFAULT_MAX_QUEUES_PER_VHOST,
+        help=f"declaring more queues in a vhost gets RESOURCE_EXHAUSTED (default {DEFAULT_MAX_QUEUES_PER_VHOST})",
+    )
     args = parser.parse_args(argv)
     if args.store == "zookeeper":
         if args.zookeeper is None:
@@ -93,6 +106,7 @@ def main(argv: list[str] | None = None, *, prog: str = "python -m services.coord
                 zookeeper_root=args.zookeeper_root or DEFAULT_ZOOKEEPER_ROOT,
                 tls=cluster_tls,
                 default_user=(args.default_user, os.environ.get("RINGQ_DEFAULT_PASSWORD", args.default_user)),
+                max_queues_per_vhost=args.max_queues_per_vhost,
             )
         )
     except StoreUnavailable as exc:

@@ -45,6 +45,10 @@ class NotFound(LookupError):
     """The record does not exist."""
 
 
+class QueueLimit(Exception):
+    """A vhost has as many queues as it may have."""
+
+
 class Conflict(Exception):
     """A compare-and-set lost to a concurrent change (or kept losing)."""
 
@@ -187,19 +191,34 @@ class ReplicaLoadCache:
         self.clock = clock
         self._lock = threading.Lock()
         self._load: dict[str, int] = {}
+        self._per_vhost: dict[str, int] = {}
         self._listed_at = float("-inf")
+
+    def _refresh(self, store: Store) -> None:
+        if self.clock() - self._listed_at >= self.max_age_s:
+            queues = list_queues(store)
+            self._load = replica_load(queues)
+            self._per_vhost = {}
+            for queue in queues:
+                self._per_vhost[queue.vhost] = self._per_vhost.get(queue.vhost, 0) + 1
+            self._listed_at = self.clock()
 
     def load(self, store: Store) -> dict[str, int]:
         with self._lock:
-            if self.clock() - self._listed_at >= self.max_age_s:
-                self._load = replica_load(list_queues(store))
-                self._listed_at = self.clock()
+            self._refresh(store)
             return dict(self._load)
+
+    def queues_in(self, store: Store, vhost: str) -> int:
+        """How many queues `vhost` has (as listed at most `max_age_s` ago, plus those placed since)."""
+        with self._lock:
+            self._refresh(store)
+            return self._per_vhost.get(vhost, 0)
 
     def placed(self, queue: QueueRecord) -> None:
         """`queue` was just created with its replicas."""
         with self._lock:
             _count_replicas(self._load, queue, 1)
+            self._per_vhost[queue.vhost] = self._per_vhost.get(queue.vhost, 0) + 1
 
 
 def _count_replicas(load: dict[str, int], queue: QueueRecord, sign: int) -> None:
@@ -259,10 +278,12 @@ def declare_queue(
     live_nodes: Sequence[str],
     preferred_master: str = "",
     load_cache: ReplicaLoadCache | None = None,
+    max_queues_per_vhost: int | None = None,
 ) -> QueueRecord:
     """Create `declared` (placed by its effective policy), or return the existing
-    queue if it has the same properties; QueueMismatch if they differ. The replica load that
-    balances placement comes from `load_cache` if given (else from listing every queue)."""
+    queue if it has the same properties; QueueMismatch if they differ; QueueLimit if its vhost has
+    `max_queues_per_vhost` queues already. The replica load that balances placement comes from
+    `load_cache` if given (else from listing every queue)."""
     _check_names(declared)
 
     def step() -> QueueRecord | None:
@@ -277,6 +298,17 @@ def declare_queue(
                         f"declared with {getattr(declared, name)!r}",
                     )
             return queue
+        if max_queues_per_vhost is not None:
+            count = (
+                load_cache.queues_in(store, declared.vhost)
+                if load_cache is not None
+                else len(list_queues(store, declared.vhost))
+            )
+            if count >= max_queues_per_vhost:
+                raise QueueLimit(
+                    f"vhost {declared.vhost!r} has {count} queues, the most it may have "
+                    f"(ringq coordinator --max-queues-per-vhost {max_queues_per_vhost})"
+                )
         fresh = replace(declared, master=preferred_master if preferred_master in live_nodes else "", mirrors=())
         fresh = replace(fresh, gm_group=f"{QUEUE_GROUP_PREFIX}{uuid.uuid4().hex}")
         load = load_cache.load(store) if load_cache is not None else replica_load(list_queues(store))

@@ -34,7 +34,7 @@ from services.coordinator.convert import (
     queue_to_proto,
 )
 from services.coordinator.leases import LeaseRefused
-from services.coordinator.metadata import Conflict, NotFound, QueueMismatch, QueueRecord
+from services.coordinator.metadata import Conflict, NotFound, QueueLimit, QueueMismatch, QueueRecord
 from services.coordinator.placement import NoLiveNodes
 from services.coordinator.placement_passes import PlacementPasses
 from services.coordinator.policies import Policy, PolicyError
@@ -74,6 +74,8 @@ async def mapped(context: _Context, work: Awaitable[_T]) -> _T:
         await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(error))
     except Conflict as error:
         await context.abort(grpc.StatusCode.ABORTED, str(error))
+    except QueueLimit as error:
+        await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(error))
     except NoLiveNodes:
         await context.abort(
             grpc.StatusCode.UNAVAILABLE,
@@ -105,6 +107,7 @@ class MetadataRpcs:
     _liveness_ms: int
     _load_cache: metadata.ReplicaLoadCache
     _passes: PlacementPasses
+    _max_queues_per_vhost: int
 
     # ------------------------------------------------------------------ nodes
 
@@ -200,7 +203,12 @@ class MetadataRpcs:
 
         def declare() -> QueueRecord:
             return metadata.declare_queue(
-                self._store, declared, self._live_nodes(), request.preferred_master, self._load_cache
+                self._store,
+                declared,
+                self._live_nodes(),
+                request.preferred_master,
+                self._load_cache,
+                self._max_queues_per_vhost,
             )
 
         return coordinator_pb2.QueueRecordResponse(queue=queue_to_proto(await run_store(context, declare)))

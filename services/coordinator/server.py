@@ -41,7 +41,7 @@ from services.coordinator.sqlite_store import SqliteStore
 from services.coordinator.store import MAX_KEY_LENGTH, Store, StoreUnavailable
 from services.coordinator.watch import ChangeFeed, Resync
 from services.passwords import hash_password
-from services.request_guard import RequestGuard
+from services.request_guard import STREAM_LIMIT_OPTION, RequestGuard
 from services.tls import ClusterTLS, member_problem
 
 log = logging.getLogger(__name__)
@@ -54,6 +54,8 @@ _P = ParamSpec("_P")
 _T = TypeVar("_T")
 StoreKind = Literal["sqlite", "zookeeper"]
 DEFAULT_LIVENESS_MS = 5000
+# Queues one vhost may have (RabbitMQ's max-queues vhost limit): each costs every replica's node memory.
+DEFAULT_MAX_QUEUES_PER_VHOST = 20_000
 
 
 def group_name_problem(name: str) -> str | None:
@@ -126,7 +128,9 @@ class CoordinatorServicer(MetadataRpcs, AccessRpcs, coordinator_pb2_grpc.Coordin
         feed: ChangeFeed,
         liveness_ms: int = DEFAULT_LIVENESS_MS,
         passes: PlacementPasses | None = None,
+        max_queues_per_vhost: int = DEFAULT_MAX_QUEUES_PER_VHOST,
     ) -> None:
+        self._max_queues_per_vhost = max_queues_per_vhost
         self._load_cache = metadata.ReplicaLoadCache()
         self._passes = passes if passes is not None else PlacementPasses()
         self._store = store
@@ -226,6 +230,7 @@ async def create_server(
     liveness_ms: int = DEFAULT_LIVENESS_MS,
     tls: ClusterTLS | None = None,
     default_user: tuple[str, str] = (GUEST, GUEST),
+    max_queues_per_vhost: int = DEFAULT_MAX_QUEUES_PER_VHOST,
 ) -> tuple[grpc.aio.Server, int]:
     """Start serving `store` on `address` (port 0 picks a free port); returns the server and its port.
 
@@ -235,7 +240,9 @@ async def create_server(
     Also starts, for the life of the event loop, the change feed behind Watch
     and this coordinator's registration (so cluster_status lists it).
     """
-    server = grpc.aio.server(options=SERVER_KEEPALIVE, interceptors=[RequestGuard(admit=member_problem)])
+    server = grpc.aio.server(
+        options=[*SERVER_KEEPALIVE, STREAM_LIMIT_OPTION], interceptors=[RequestGuard(admit=member_problem)]
+    )
     user, password = default_user
     if await asyncio.to_thread(access_records.seed, store, hash_password, user, password):
         only = " (accepted from loopback only)" if user == GUEST else ""
@@ -243,7 +250,7 @@ async def create_server(
     feed = ChangeFeed(store)
     await feed.start()
     passes = PlacementPasses()
-    servicer = CoordinatorServicer(store, feed, liveness_ms, passes)
+    servicer = CoordinatorServicer(store, feed, liveness_ms, passes, max_queues_per_vhost)
     coordinator_pb2_grpc.add_CoordinatorServiceServicer_to_server(servicer, server)
     await _add_health_service(server)
     if tls is None:
@@ -368,6 +375,7 @@ async def serve(
     zookeeper_root: str = "/ringq",
     tls: ClusterTLS | None = None,
     default_user: tuple[str, str] = (GUEST, GUEST),
+    max_queues_per_vhost: int = DEFAULT_MAX_QUEUES_PER_VHOST,
 ) -> None:
     """Serve a store on `listen` until SIGTERM or SIGINT, then stop with a 1 s grace.
 
@@ -379,7 +387,9 @@ async def serve(
     )
     where = f"db {db_path}" if store_kind == "sqlite" else f"zookeeper {zookeeper_hosts} {zookeeper_root}"
     try:
-        server, port = await create_server(listen, store, tls=tls, default_user=default_user)
+        server, port = await create_server(
+            listen, store, tls=tls, default_user=default_user, max_queues_per_vhost=max_queues_per_vhost
+        )
         try:
             stop = asyncio.Event()
             loop = asyncio.get_running_loop()
