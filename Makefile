@@ -7,15 +7,22 @@
 #   make bench-gm measure confirmed-broadcast throughput through a 3-member ring of processes
 #   make bench    ringq mirrored queues vs RabbitMQ classic mirrored queues (W1-W3), updates docs/benchmarks.md
 #   make bench-tracing  W1 with tracing off against a commit without the tracing hooks
+#   make bench-security W1 and W2 with TLS and authentication beside plaintext
 SHELL := /bin/bash
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 GEN := clients/python/ringq/v1
-PROTOS := $(wildcard protos/ringq/v1/*.proto)
+GEN_INTERNAL := clients/python/ringq/internal/v1
+PROTOS := $(wildcard protos/ringq/v1/*.proto) $(wildcard protos/ringq/internal/v1/*.proto)
 SEEDS ?= 20000
+# buf (lint and breaking-change checks of protos/), from the npm registry, pinned; protos/releases holds
+# the image of each released API that `buf breaking` compares with.
+BUF_VERSION := 1.75.0
+BUF := $(VENV)/buf/node_modules/.bin/buf
+PROTO_RELEASE := protos/releases/v0.1.binpb
 
-.PHONY: all setup setup-node setup-zookeeper setup-rabbitmq protos lint test sim sim-queues demo demo-ring bench bench-gm bench-tracing bench-reference clean
+.PHONY: all setup setup-node setup-zookeeper setup-rabbitmq protos lint test sim sim-queues demo demo-ring bench bench-gm bench-tracing bench-security bench-reference clean
 
 all: test
 
@@ -28,10 +35,10 @@ $(VENV)/.stamp-install: pyproject.toml
 setup: $(VENV)/.stamp-install protos
 
 $(GEN)/.stamp-protos: $(PROTOS) $(VENV)/.stamp-install
-	rm -rf $(GEN) && mkdir -p $(GEN)
+	rm -rf $(GEN) $(GEN_INTERNAL) && mkdir -p $(GEN) $(GEN_INTERNAL)
 	PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(PY) -m grpc_tools.protoc -Iprotos --python_out=clients/python --grpc_python_out=clients/python \
 	  --mypy_out=clients/python --mypy_grpc_out=clients/python $(PROTOS)
-	touch $(GEN)/__init__.py $(GEN)/py.typed
+	touch $(GEN)/__init__.py $(GEN)/py.typed clients/python/ringq/internal/__init__.py $(GEN_INTERNAL)/__init__.py
 	touch $@
 
 protos: $(GEN)/.stamp-protos
@@ -61,9 +68,14 @@ setup-rabbitmq:
 bench-reference: setup setup-rabbitmq
 	mkdir -p var && $(PY) -m bench.reference --json var/bench-reference.json
 
-lint: setup
+$(BUF): | $(VENV)/.stamp-install
+	npm install --prefix $(VENV)/buf --no-save --no-audit --no-fund --silent @bufbuild/buf@$(BUF_VERSION)
+
+lint: setup $(BUF)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy
+	$(BUF) lint
+	$(BUF) breaking --against $(PROTO_RELEASE)
 
 test: setup setup-node setup-zookeeper lint
 	$(VENV)/bin/pytest -q
@@ -85,6 +97,9 @@ bench: setup setup-rabbitmq
 
 bench-tracing: setup
 	$(PY) -m bench.tracing_cost --runs 5 --write docs/benchmarks.md
+
+bench-security: setup
+	$(PY) -m bench.security_cost --runs 3 --write docs/benchmarks.md
 
 bench-gm: setup
 	$(PY) -m bench.bench_gm --write docs/benchmarks.md

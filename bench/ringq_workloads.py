@@ -89,8 +89,9 @@ from bench.reference.rabbitmq_workloads import (
 )
 from ringq import aio
 from ringq.aio import STREAM_RETRYABLE
-from ringq.v1 import coordinator_pb2, coordinator_pb2_grpc, queue_pb2
-from services import cluster
+from ringq.security import TLS, Credentials
+from ringq.v1 import queue_pb2
+from services import certs, cluster
 
 NODES = 3
 NODE_ARGS = (
@@ -116,20 +117,40 @@ _CONFIRMED = (queue_pb2.PUBLISH_OUTCOME_CONFIRMED, queue_pb2.PUBLISH_OUTCOME_DUP
 # --- the cluster ------------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class Access:
+    """How the benchmark's clients reach the cluster: plaintext, or TLS as a user (picklable)."""
+
+    tls: TLS | None = None
+    credentials: Credentials | None = None
+
+    def connection(self, addresses: Sequence[str], **options: Any) -> aio.Connection:
+        return aio.Connection(addresses, tls=self.tls, credentials=self.credentials, **options)
+
+
+PLAINTEXT = Access()
+
+
 class RingqCluster:
     """A 3-node ringq cluster (plus its coordinator) on 127.0.0.1 in a temporary directory, with the
-    mirroring policy set; a context manager that stops every process it started."""
+    mirroring policy set; a context manager that stops every process it started. With `tls`, every
+    member uses mutual TLS and the clients TLS and the seeded user guest (from loopback)."""
 
-    def __init__(self, size: int = NODES, node_args: Sequence[str] = NODE_ARGS) -> None:
+    def __init__(self, size: int = NODES, node_args: Sequence[str] = NODE_ARGS, *, tls: bool = False) -> None:
         self.size = size
         self.node_args = tuple(node_args)
+        self.tls = tls
+        self.access = PLAINTEXT
         self._directory: Path | None = None
         self.info: cluster.ClusterInfo | None = None
 
     def __enter__(self) -> Self:
         self._directory = Path(tempfile.mkdtemp(prefix="ringq-bench-queues-"))
         try:
-            self.info = cluster.up(self.size, self._directory, node_args=self.node_args, timeout=60.0)
+            self.info = cluster.up(self.size, self._directory, node_args=self.node_args, timeout=60.0, tls=self.tls)
+            if self.tls:
+                ca = certs.ca_paths(self.info.tls_dir).certificate
+                self.access = Access(TLS(ca=str(ca)), Credentials("guest", "guest"))
             asyncio.run(self._configure())
         except BaseException:
             self.stop()
@@ -170,15 +191,12 @@ class RingqCluster:
     async def _configure(self) -> None:
         """Set the policy, then wait until the coordinator sees every node alive (their heartbeats came)."""
         info = self._info()
-        policy = coordinator_pb2.Policy(
-            vhost="/", name=POLICY_NAME, pattern=POLICY_PATTERN, definition_json=json.dumps(POLICY)
-        )
-        async with grpc.aio.insecure_channel(info.coordinator.address) as channel:
-            stub = coordinator_pb2_grpc.CoordinatorServiceStub(channel)
-            await stub.SetPolicy(coordinator_pb2.SetPolicyRequest(policy=policy), timeout=10)
+        access = self.access
+        async with aio.Admin(info.node_addresses, tls=access.tls, credentials=access.credentials, timeout=10) as admin:
+            await admin.set_policy(POLICY_NAME, POLICY_PATTERN, POLICY)
             deadline = time.monotonic() + ADMIN_TIMEOUT_S
             while True:
-                status = await stub.ClusterStatus(coordinator_pb2.ClusterStatusRequest(), timeout=10)
+                status = await admin.cluster_status()
                 alive = {n.node for n in status.nodes if n.alive}
                 if alive >= set(self.node_names):
                     return
@@ -260,13 +278,16 @@ class RingqCluster:
 
 
 def _admin(
-    coroutine_factory: Callable[[aio.Connection], Any], addresses: Sequence[str], retry_for: float = ADMIN_TIMEOUT_S
+    coroutine_factory: Callable[[aio.Connection], Any],
+    addresses: Sequence[str],
+    retry_for: float = ADMIN_TIMEOUT_S,
+    access: Access = PLAINTEXT,
 ) -> Any:
     """Run one administrative coroutine with a fresh connection (its own event loop), in the parent process;
     its calls retry through a failover for `retry_for` seconds."""
 
     async def run() -> Any:
-        connection = aio.Connection(addresses, retry_for=retry_for)
+        connection = access.connection(addresses, retry_for=retry_for)
         try:
             return await asyncio.wait_for(coroutine_factory(connection), ADMIN_TIMEOUT_S + 10)
         finally:
@@ -296,7 +317,7 @@ def _declare_synchronised(rc: RingqCluster, queue: str, node: str, timeout: floa
                 )
             await asyncio.sleep(0.05)
 
-    master: str = _admin(declare, [rc.address(node)])
+    master: str = _admin(declare, [rc.address(node)], access=rc.access)
     return master
 
 
@@ -333,7 +354,7 @@ def queue_master(rc: RingqCluster, queue: str) -> str:
     async def status(connection: aio.Connection) -> str:
         return str((await connection.queue_status(queue)).master_node)
 
-    master: str = _admin(status, rc.live_addresses())
+    master: str = _admin(status, rc.live_addresses(), access=rc.access)
     return master
 
 
@@ -366,7 +387,7 @@ def take_leftovers(rc: RingqCluster, queue: str, idle_s: float = 1.0, limit_s: f
         return seqs
 
     try:
-        taken: list[int] = _admin(take, rc.live_addresses())
+        taken: list[int] = _admin(take, rc.live_addresses(), access=rc.access)
     except Exception:
         return None
     return taken
@@ -377,7 +398,7 @@ def delete_queue(rc: RingqCluster, queue: str) -> None:
         await connection.delete_queue(queue)
 
     with contextlib.suppress(Exception):
-        _admin(delete, rc.live_addresses(), retry_for=5.0)
+        _admin(delete, rc.live_addresses(), retry_for=5.0, access=rc.access)
 
 
 # --- the client processes' reports ------------------------------------------------------------------
@@ -403,8 +424,8 @@ class RingqConsumerReport(ConsumerReport):
 class _CountingConnection(aio.Connection):
     """An aio.Connection that counts its moves to the next node."""
 
-    def __init__(self, addresses: Sequence[str]) -> None:
-        super().__init__(addresses)
+    def __init__(self, addresses: Sequence[str], access: Access = PLAINTEXT) -> None:
+        super().__init__(addresses, tls=access.tls, credentials=access.credentials)
         self.failovers = 0
 
     def failed(self) -> None:
@@ -431,6 +452,7 @@ class ProducerConfig:
     record_confirmed: bool = False
     confirm_grace_s: float = 3.0  # after the run, how long to wait for outstanding confirms
     give_up_s: float = 60.0  # failing to publish for longer than this ends the run
+    access: Access = PLAINTEXT
 
 
 class _Producer:
@@ -452,7 +474,7 @@ class _Producer:
 
     async def run(self) -> RingqProducerReport:
         wall0, cpu0 = time.monotonic(), _cpu_seconds()
-        connection = _CountingConnection(self.cfg.addresses)
+        connection = _CountingConnection(self.cfg.addresses, self.cfg.access)
         finisher: asyncio.Future[None] | None = None
         lost_since: float | None = None
         try:
@@ -636,6 +658,7 @@ class ConsumerConfig:
     drain: bool = False  # after stop: keep consuming until idle_s without a delivery (at most drain_s)
     idle_s: float = 1.5
     drain_s: float = 30.0
+    access: Access = PLAINTEXT
 
 
 class _Consumer:
@@ -652,7 +675,7 @@ class _Consumer:
 
     async def run(self) -> RingqConsumerReport:
         wall0, cpu0 = time.monotonic(), _cpu_seconds()
-        connection = _CountingConnection(self.cfg.addresses)
+        connection = _CountingConnection(self.cfg.addresses, self.cfg.access)
         consuming = asyncio.ensure_future(self._consume(connection))
         try:
             await self._await_subscribed(connection, consuming)
@@ -773,7 +796,7 @@ def run_w1(rc: RingqCluster, durations: Durations, queue: str = "ha.w1") -> Work
     queue, master, problems = prepare_queue(rc, queue)
     results: multiprocessing.Queue[Any] = _CTX.Queue()
     started = _CTX.Value("d", 0.0)
-    cfg = ProducerConfig(rc.addresses_from(master), queue, durations.warmup_s, durations.measure_s)
+    cfg = ProducerConfig(rc.addresses_from(master), queue, durations.warmup_s, durations.measure_s, access=rc.access)
     producer = _CTX.Process(target=_producer_main, args=(cfg, started, results), name="w1-producer")
     producer.start()
     try:
@@ -828,8 +851,10 @@ def _run_pair(
     results: multiprocessing.Queue[Any] = _CTX.Queue()
     ready, stop = _CTX.Event(), _CTX.Event()
     started = _CTX.Value("d", 0.0)
-    consumer_cfg = ConsumerConfig(addresses, queue, ack_every=ack_every, drain=drain, drain_s=drain_s)
-    producer_cfg = ProducerConfig(addresses, queue, warmup_s, measure_s, rate=rate, record_confirmed=record_confirmed)
+    consumer_cfg = ConsumerConfig(addresses, queue, ack_every=ack_every, drain=drain, drain_s=drain_s, access=rc.access)
+    producer_cfg = ProducerConfig(
+        addresses, queue, warmup_s, measure_s, rate=rate, record_confirmed=record_confirmed, access=rc.access
+    )
     consumer = _CTX.Process(target=_consumer_main, args=(consumer_cfg, ready, stop, results), name="consumer")
     producer = _CTX.Process(target=_producer_main, args=(producer_cfg, started, results), name="producer")
     kill: _KillInfo | None = None

@@ -23,6 +23,7 @@ import tempfile
 import timeit
 from pathlib import Path
 
+from bench.markdown import replace_marked
 from ringq import tracing
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -114,13 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     text = "\n".join(lines)
     print(text)
     if args.write:
-        current = args.write.read_text() if args.write.exists() else ""
-        if MARK_BEGIN in current and MARK_END in current:
-            before, rest = current.split(MARK_BEGIN, 1)
-            current = before + text + rest.split(MARK_END, 1)[1]
-        else:
-            current = current.rstrip("\n") + "\n\n" + text + "\n"
-        args.write.write_text(current)
+        replace_marked(args.write, MARK_BEGIN, MARK_END, text)
     return 0
 
 

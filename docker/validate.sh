@@ -73,10 +73,11 @@ find "$src" -name __pycache__ -prune -exec rm -rf {} +
   cd "$src"
   "$work/codegen/bin/python" docker/requirements.py --extra dev --only grpcio-tools >"$work/codegen.txt"
   "$work/codegen/bin/pip" install --quiet --disable-pip-version-check -r "$work/codegen.txt"
-  mkdir -p clients/python/ringq/v1
+  mkdir -p clients/python/ringq/v1 clients/python/ringq/internal/v1
   "$work/codegen/bin/python" -m grpc_tools.protoc -Iprotos --python_out=clients/python \
-    --grpc_python_out=clients/python protos/ringq/v1/*.proto
-  touch clients/python/ringq/v1/__init__.py
+    --grpc_python_out=clients/python protos/ringq/v1/*.proto protos/ringq/internal/v1/*.proto
+  touch clients/python/ringq/v1/__init__.py clients/python/ringq/internal/__init__.py \
+    clients/python/ringq/internal/v1/__init__.py
   "$work/codegen/bin/pip" wheel --quiet --disable-pip-version-check --no-deps --wheel-dir "$work/wheels" .
 )
 # stages broker-deps and broker-venv

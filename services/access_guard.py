@@ -28,7 +28,7 @@ from typing import Any
 
 import grpc
 
-from ringq.v1 import coordinator_pb2
+from ringq.internal.v1 import coordinator_pb2
 from services.access import AccessTable, Operation, Permission, User
 from services.coordinator.access_records import KINDS
 from services.coordinator.client import CoordinatorClient

@@ -17,7 +17,8 @@ from typing import Any
 import grpc
 from google.protobuf import message_factory
 
-from ringq.v1 import admin_pb2, coordinator_pb2
+from ringq.internal.v1 import coordinator_pb2
+from ringq.v1 import admin_pb2
 from services.access import ADMINISTRATION, LISTING, POLICIES
 from services.access_guard import OPEN, AccessGuard
 from services.coordinator.client import CoordinatorClient

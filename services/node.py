@@ -39,8 +39,9 @@ from typing import Any
 import grpc
 
 from ringq import tracing
+from ringq.internal.v1 import peer_pb2, peer_pb2_grpc
 from ringq.keepalive import SERVER_KEEPALIVE
-from ringq.v1 import group_pb2, group_pb2_grpc, peer_pb2, peer_pb2_grpc, queue_pb2_grpc
+from ringq.v1 import group_pb2, group_pb2_grpc, queue_pb2_grpc
 from services import tls as tls_flags
 from services.access import DEFAULT_VHOST, Operation
 from services.access_guard import OPEN, AccessGuard

@@ -39,7 +39,8 @@ import grpc
 import pytest
 
 from ringq import aio
-from ringq.v1 import queue_pb2, queue_replication_pb2
+from ringq.internal.v1 import queue_replication_pb2
+from ringq.v1 import queue_pb2
 from services import cluster
 from services import node as node_process
 from services.coordinator.metadata import QueueRecord

@@ -13,7 +13,8 @@ from typing import Any
 
 import grpc
 
-from ringq.v1 import coordinator_pb2, coordinator_pb2_grpc
+from ringq.internal.v1 import coordinator_pb2, coordinator_pb2_grpc
+from ringq.v1 import cluster_pb2
 from services import cluster
 from services.coordinator.server import create_server
 from services.coordinator.sqlite_store import SqliteStore
@@ -49,8 +50,8 @@ async def _code(call: Awaitable[Any]) -> tuple[grpc.StatusCode, str]:
     raise AssertionError("the call succeeded")
 
 
-def _policy(name: str, pattern: str, definition: dict[str, Any], priority: int = 0) -> coordinator_pb2.Policy:
-    return coordinator_pb2.Policy(
+def _policy(name: str, pattern: str, definition: dict[str, Any], priority: int = 0) -> cluster_pb2.Policy:
+    return cluster_pb2.Policy(
         vhost="/", name=name, pattern=pattern, definition_json=json.dumps(definition), priority=priority
     )
 
@@ -61,27 +62,27 @@ def test_policies_are_validated_stored_and_applied_to_queues(tmp_path: Path) -> 
         declared = await stub.DeclareQueue(coordinator_pb2.DeclareQueueRequest(name="ha.orders", durable=True))
         assert declared.queue.mirrors == [] and declared.queue.master in {"n1", "n2", "n3"}
         code, message = await _code(
-            stub.SetPolicy(coordinator_pb2.SetPolicyRequest(policy=_policy("x", "^ha", {"ha-mode": "most"})))
+            stub.SetPolicy(cluster_pb2.SetPolicyRequest(policy=_policy("x", "^ha", {"ha-mode": "most"})))
         )
         assert code == grpc.StatusCode.INVALID_ARGUMENT and "ha-mode" in message
         code, message = await _code(
-            stub.SetPolicy(coordinator_pb2.SetPolicyRequest(policy=_policy("x", "(", {"ha-mode": "all"})))
+            stub.SetPolicy(cluster_pb2.SetPolicyRequest(policy=_policy("x", "(", {"ha-mode": "all"})))
         )
         assert code == grpc.StatusCode.INVALID_ARGUMENT and message.startswith("pattern")
-        bad_json = coordinator_pb2.Policy(vhost="/", name="x", pattern=".", definition_json="{nope")
-        code, message = await _code(stub.SetPolicy(coordinator_pb2.SetPolicyRequest(policy=bad_json)))
+        bad_json = cluster_pb2.Policy(vhost="/", name="x", pattern=".", definition_json="{nope")
+        code, message = await _code(stub.SetPolicy(cluster_pb2.SetPolicyRequest(policy=bad_json)))
         assert code == grpc.StatusCode.INVALID_ARGUMENT and "definition" in message
-        listed = await stub.ListPolicies(coordinator_pb2.ListPoliciesRequest())
+        listed = await stub.ListPolicies(cluster_pb2.ListPoliciesRequest())
         assert list(listed.policies) == [], "nothing is stored for a refused policy"
         response = await stub.SetPolicy(
-            coordinator_pb2.SetPolicyRequest(policy=_policy("all", "^ha\\.", {"ha-mode": "all"}))
+            cluster_pb2.SetPolicyRequest(policy=_policy("all", "^ha\\.", {"ha-mode": "all"}))
         )
         assert response.queues_changed == 1
         queue = (await stub.GetQueue(coordinator_pb2.GetQueueRequest(name="ha.orders"))).queue
         assert queue.policy == "all" and len(queue.mirrors) == 2
-        cleared = await stub.ClearPolicy(coordinator_pb2.ClearPolicyRequest(vhost="/", name="all"))
+        cleared = await stub.ClearPolicy(cluster_pb2.ClearPolicyRequest(vhost="/", name="all"))
         assert cleared.queues_changed == 1
-        code, _ = await _code(stub.ClearPolicy(coordinator_pb2.ClearPolicyRequest(vhost="/", name="all")))
+        code, _ = await _code(stub.ClearPolicy(cluster_pb2.ClearPolicyRequest(vhost="/", name="all")))
         assert code == grpc.StatusCode.NOT_FOUND
 
     run(tmp_path, scenario)
@@ -95,7 +96,7 @@ def test_queue_records_are_compare_and_set(tmp_path: Path) -> None:
         assert code == grpc.StatusCode.FAILED_PRECONDITION and "durable" in message
         code, _ = await _code(stub.GetQueue(coordinator_pb2.GetQueueRequest(name="nope")))
         assert code == grpc.StatusCode.NOT_FOUND
-        changed = coordinator_pb2.QueueRecord()
+        changed = cluster_pb2.QueueRecord()
         changed.CopyFrom(queue)
         changed.synchronised_mirrors.append("n1")
         updated = await stub.UpdateQueue(
@@ -107,7 +108,7 @@ def test_queue_records_are_compare_and_set(tmp_path: Path) -> None:
         )
         assert code == grpc.StatusCode.ABORTED
         await stub.DeleteQueue(coordinator_pb2.DeleteQueueRequest(name="q"))
-        assert list((await stub.ListQueues(coordinator_pb2.ListQueuesRequest())).queues) == []
+        assert list((await stub.ListQueues(cluster_pb2.ListQueuesRequest())).queues) == []
 
     run(tmp_path, scenario)
 
@@ -116,7 +117,7 @@ def test_a_queue_needs_a_live_node(tmp_path: Path) -> None:
     async def scenario(stub: Any) -> None:
         await stub.RegisterNode(coordinator_pb2.RegisterNodeRequest(node="n1", address="127.0.0.1:1"))  # no heartbeat
         code, message = await _code(stub.DeclareQueue(coordinator_pb2.DeclareQueueRequest(name="q")))
-        assert code == grpc.StatusCode.UNAVAILABLE and "no live node" in message
+        assert code == grpc.StatusCode.UNAVAILABLE and "no node can take the queue" in message
 
     run(tmp_path, scenario)
 
@@ -167,7 +168,7 @@ def test_watch_streams_changes_of_the_kinds_asked_for(tmp_path: Path) -> None:
         await asyncio.sleep(0.2)
         await stub.AcquireLease(coordinator_pb2.AcquireLeaseRequest(name="not-watched", holder="p", ttl_ms=1000))
         await stub.DeclareQueue(coordinator_pb2.DeclareQueueRequest(name="q"))
-        await stub.SetPolicy(coordinator_pb2.SetPolicyRequest(policy=_policy("p", "^q", {"max-length": 5})))
+        await stub.SetPolicy(cluster_pb2.SetPolicyRequest(policy=_policy("p", "^q", {"max-length": 5})))
         await asyncio.wait_for(collecting, 10)
         call.cancel()
         assert [e.kind for e in events] == ["queue", "policy", "queue"]
@@ -187,11 +188,11 @@ def test_cluster_status_shows_liveness_coordinators_and_store(tmp_path: Path) ->
     async def scenario(stub: Any) -> None:
         await _live_nodes(stub, "n1")
         await stub.RegisterNode(coordinator_pb2.RegisterNodeRequest(node="n2", address="127.0.0.1:12"))
-        await stub.SetNodeDraining(coordinator_pb2.SetNodeDrainingRequest(node="n2", draining=True))
-        code, _ = await _code(stub.SetNodeDraining(coordinator_pb2.SetNodeDrainingRequest(node="nope", draining=True)))
+        await stub.SetNodeDraining(cluster_pb2.SetNodeDrainingRequest(node="n2", draining=True))
+        code, _ = await _code(stub.SetNodeDraining(cluster_pb2.SetNodeDrainingRequest(node="nope", draining=True)))
         assert code == grpc.StatusCode.NOT_FOUND
         await asyncio.sleep(0.1)
-        status = await stub.ClusterStatus(coordinator_pb2.ClusterStatusRequest())
+        status = await stub.ClusterStatus(cluster_pb2.ClusterStatusRequest())
         assert [(n.node, n.alive, n.draining) for n in status.nodes] == [("n1", True, False), ("n2", False, True)]
         assert status.store_kind == "sqlite" and status.coordinators and status.coordinators[0].alive
 

@@ -11,7 +11,8 @@ from collections.abc import AsyncIterator, Collection
 from pathlib import Path
 from typing import Any
 
-from ringq.v1 import coordinator_pb2
+from ringq.internal.v1 import coordinator_pb2
+from ringq.v1 import cluster_pb2
 from tests.test_coordinator_api import _live_nodes, _policy, run
 
 NODES = ("n1", "n2", "n3")
@@ -62,7 +63,7 @@ async def _queue(stub: Any, name: str) -> Any:
 
 
 async def _declared(stub: Any, name: str, policy: dict[str, Any], mirrors: Collection[str]) -> Any:
-    await stub.SetPolicy(coordinator_pb2.SetPolicyRequest(policy=_policy("p", f"^{name}$", policy)))
+    await stub.SetPolicy(cluster_pb2.SetPolicyRequest(policy=_policy("p", f"^{name}$", policy)))
     request = coordinator_pb2.DeclareQueueRequest(name=name, preferred_master="n1")
     queue = (await stub.DeclareQueue(request)).queue
     assert (queue.master, list(queue.mirrors)) == ("n1", list(mirrors))
@@ -71,7 +72,7 @@ async def _declared(stub: Any, name: str, policy: dict[str, Any], mirrors: Colle
 
 async def _strike(stub: Any, queue: Any, node: str) -> Any:
     """What a master does when its mirror's ring member is recorded dead."""
-    struck = coordinator_pb2.QueueRecord()
+    struck = cluster_pb2.QueueRecord()
     struck.CopyFrom(queue)
     del struck.mirrors[:]
     struck.mirrors.extend(m for m in queue.mirrors if m != node)

@@ -17,7 +17,8 @@ from typing import Any
 import grpc
 import pytest
 
-from ringq.v1 import coordinator_pb2, coordinator_pb2_grpc
+from ringq.internal.v1 import coordinator_pb2, coordinator_pb2_grpc
+from ringq.v1 import cluster_pb2
 
 pytestmark = pytest.mark.integration
 QUEUES = 2000
@@ -92,7 +93,7 @@ def test_six_concurrent_policy_changes_on_2000_queues_leave_every_other_call_ans
                     nonlocal slowest
                     while not finished:
                         asked = time.monotonic()
-                        await stub.ClusterStatus(coordinator_pb2.ClusterStatusRequest(), timeout=10)
+                        await stub.ClusterStatus(cluster_pb2.ClusterStatusRequest(), timeout=10)
                         await stub.GetQueue(coordinator_pb2.GetQueueRequest(name="q7"), timeout=10)
                         slowest = max(slowest, time.monotonic() - asked)
                         await asyncio.sleep(0.05)
@@ -100,13 +101,11 @@ def test_six_concurrent_policy_changes_on_2000_queues_leave_every_other_call_ans
                 probing = asyncio.ensure_future(probe())
                 started = time.monotonic()
                 policies = [
-                    coordinator_pb2.Policy(
-                        vhost="/", name=f"p{i}", pattern="^q", priority=i, definition_json=json.dumps(d)
-                    )
+                    cluster_pb2.Policy(vhost="/", name=f"p{i}", pattern="^q", priority=i, definition_json=json.dumps(d))
                     for i, d in enumerate(POLICY_DEFINITIONS)
                 ]
                 answers = await asyncio.wait_for(
-                    asyncio.gather(*(stub.SetPolicy(coordinator_pb2.SetPolicyRequest(policy=p)) for p in policies)), 120
+                    asyncio.gather(*(stub.SetPolicy(cluster_pb2.SetPolicyRequest(policy=p)) for p in policies)), 120
                 )
                 policies_s = time.monotonic() - started
                 finished = True

@@ -11,7 +11,8 @@ from typing import Any
 
 import pytest
 
-from ringq.v1 import coordinator_pb2
+from ringq.internal.v1 import coordinator_pb2
+from ringq.v1 import cluster_pb2
 from services import node
 from services.coordinator import records
 from services.coordinator.records import DiskReport
@@ -134,7 +135,7 @@ def test_cluster_status_shows_each_nodes_disk(tmp_path: Path) -> None:
         )
         await stub.NodeHeartbeat(full)
         await stub.NodeHeartbeat(coordinator_pb2.NodeHeartbeatRequest(node="n2"))  # an older node
-        status = await stub.ClusterStatus(coordinator_pb2.ClusterStatusRequest())
+        status = await stub.ClusterStatus(cluster_pb2.ClusterStatusRequest())
         n1, n2, n3 = status.nodes
         assert (n1.disk_free_bytes, n1.disk_free_limit_bytes, n1.disk_alarm) == (12 * MEBIBYTE, 50 * MEBIBYTE, True)
         for silent in (n2, n3):

@@ -22,7 +22,8 @@ import pytest
 from google.protobuf import descriptor as pb_descriptor
 from google.protobuf import message_factory
 
-from ringq.v1 import admin_pb2, coordinator_pb2, group_pb2, peer_pb2, queue_pb2
+from ringq.internal.v1 import coordinator_pb2, peer_pb2
+from ringq.v1 import admin_pb2, group_pb2, queue_pb2
 from services import cluster
 from tests.clusters import live_cluster
 

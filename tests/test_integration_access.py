@@ -20,7 +20,7 @@ import pytest
 
 from ringq import aio
 from ringq.security import TLS, Credentials
-from ringq.v1 import admin_pb2_grpc, coordinator_pb2
+from ringq.v1 import admin_pb2_grpc, cluster_pb2
 from services import certs, cluster
 from tests.clusters import NODE_ARGS
 
@@ -241,7 +241,7 @@ def test_the_coordinator_is_not_for_clients(secure: cluster.ClusterInfo) -> None
         ) as channel:
             stub = admin_pb2_grpc.AdminServiceStub(channel)
             await _refused(
-                stub.ClusterStatus(coordinator_pb2.ClusterStatusRequest(), metadata=GUEST.metadata(), timeout=5),
+                stub.ClusterStatus(cluster_pb2.ClusterStatusRequest(), metadata=GUEST.metadata(), timeout=5),
                 grpc.StatusCode.UNAVAILABLE,
             )
 

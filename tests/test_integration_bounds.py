@@ -13,7 +13,7 @@ import grpc
 import pytest
 
 from ringq import aio
-from ringq.v1 import admin_pb2_grpc, coordinator_pb2, queue_pb2, queue_pb2_grpc
+from ringq.v1 import admin_pb2_grpc, cluster_pb2, queue_pb2, queue_pb2_grpc
 from services import cluster
 from services.coordinator.policies import MAX_TTL_MS
 from services.queue.service import MAX_HEADER_BYTES, MAX_MESSAGES_PER_PUBLISH
@@ -97,7 +97,7 @@ def test_a_declare_no_node_can_take_fails_within_seconds_with_the_reason(node: c
 
 async def _set_draining(node: cluster.ProcessInfo, draining: bool) -> None:
     async with grpc.aio.insecure_channel(node.address) as channel:
-        request = coordinator_pb2.SetNodeDrainingRequest(node=node.name, draining=draining)
+        request = cluster_pb2.SetNodeDrainingRequest(node=node.name, draining=draining)
         await admin_pb2_grpc.AdminServiceStub(channel).SetNodeDraining(request, timeout=10)
 
 

@@ -20,8 +20,9 @@ import pytest
 
 from ringq import aio
 from ringq.group import GroupMembership
+from ringq.internal.v1 import coordinator_pb2, coordinator_pb2_grpc, peer_pb2, peer_pb2_grpc
 from ringq.security import TLS, Credentials
-from ringq.v1 import coordinator_pb2, coordinator_pb2_grpc, peer_pb2, peer_pb2_grpc, queue_pb2, queue_pb2_grpc
+from ringq.v1 import queue_pb2, queue_pb2_grpc
 from services import certs, cluster
 from services.gm.links import PROTOCOL_MAJOR
 from services.tls import ClusterTLS, Dialer

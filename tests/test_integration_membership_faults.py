@@ -40,7 +40,8 @@ from google.protobuf import text_format
 from google.protobuf.message import Message
 
 from ringq import aio
-from ringq.v1 import coordinator_pb2, coordinator_pb2_grpc, queue_pb2
+from ringq.internal.v1 import coordinator_pb2, coordinator_pb2_grpc
+from ringq.v1 import cluster_pb2, queue_pb2
 from services import cluster
 from tests.clusters import NODE_ARGS, live_cluster
 
@@ -97,7 +98,7 @@ def _connection(info: cluster.ClusterInfo, *names: str, retry_for: float = 30.0)
     return aio.Connection([by_name[name] for name in names], retry_for=retry_for)
 
 
-async def _queue_record(admin: aio.Admin, queue: str) -> coordinator_pb2.QueueRecord:
+async def _queue_record(admin: aio.Admin, queue: str) -> cluster_pb2.QueueRecord:
     (record,) = [record for record in await admin.list_queues() if record.name == queue]
     return record
 

@@ -21,7 +21,8 @@ import grpc
 import pytest
 
 from ringq import aio
-from ringq.v1 import coordinator_pb2, coordinator_pb2_grpc
+from ringq.internal.v1 import coordinator_pb2_grpc
+from ringq.v1 import cluster_pb2
 from services import cluster
 from tests.test_integration_durable import _wait_for_status
 from tests.test_integration_queue import _client, _start
@@ -31,10 +32,10 @@ MESSAGES = 200
 
 
 async def _set_policy(info: cluster.ClusterInfo, name: str, pattern: str, definition: dict[str, object]) -> None:
-    policy = coordinator_pb2.Policy(vhost="/", name=name, pattern=pattern, definition_json=json.dumps(definition))
+    policy = cluster_pb2.Policy(vhost="/", name=name, pattern=pattern, definition_json=json.dumps(definition))
     async with grpc.aio.insecure_channel(info.coordinator.address) as channel:
         stub = coordinator_pb2_grpc.CoordinatorServiceStub(channel)
-        await stub.SetPolicy(coordinator_pb2.SetPolicyRequest(policy=policy))
+        await stub.SetPolicy(cluster_pb2.SetPolicyRequest(policy=policy))
 
 
 async def _scenario(directory: Path) -> None:

@@ -22,7 +22,8 @@ import grpc
 import pytest
 
 from ringq import aio
-from ringq.v1 import coordinator_pb2, coordinator_pb2_grpc, queue_pb2
+from ringq.internal.v1 import coordinator_pb2_grpc
+from ringq.v1 import cluster_pb2, queue_pb2
 from services import cluster
 from services.queue.service import MAX_DELIVERIES_PER_RESPONSE
 from tests.clusters import NODE_ARGS, every_node_live
@@ -35,10 +36,10 @@ async def _start(directory: Path, node_args: list[str] | None = None) -> cluster
     """A 3-node cluster whose queues named ha.* are mirrored on every node, synced automatically."""
     info = cluster.up(3, directory, node_args=NODE_ARGS if node_args is None else node_args)
     definition = {"ha-mode": "all", "ha-sync-mode": "automatic"}
-    policy = coordinator_pb2.Policy(vhost="/", name="ha", pattern="^ha\\.", definition_json=json.dumps(definition))
+    policy = cluster_pb2.Policy(vhost="/", name="ha", pattern="^ha\\.", definition_json=json.dumps(definition))
     async with grpc.aio.insecure_channel(info.coordinator.address) as channel:
         stub = coordinator_pb2_grpc.CoordinatorServiceStub(channel)
-        await stub.SetPolicy(coordinator_pb2.SetPolicyRequest(policy=policy))
+        await stub.SetPolicy(cluster_pb2.SetPolicyRequest(policy=policy))
     await every_node_live(info)
     return info
 

@@ -16,7 +16,8 @@ import grpc
 import pytest
 
 from ringq import aio
-from ringq.v1 import coordinator_pb2, coordinator_pb2_grpc
+from ringq.internal.v1 import coordinator_pb2_grpc
+from ringq.v1 import cluster_pb2
 from services import cluster
 from tests.clusters import NODE_ARGS, every_node_live
 
@@ -39,10 +40,10 @@ def nodes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[str]]:
         async with grpc.aio.insecure_channel(info.coordinator.address) as channel:
             stub = coordinator_pb2_grpc.CoordinatorServiceStub(channel)
             for name, (pattern, definition) in POLICIES.items():
-                policy = coordinator_pb2.Policy(
+                policy = cluster_pb2.Policy(
                     vhost="/", name=name, pattern=pattern, definition_json=json.dumps(definition)
                 )
-                await stub.SetPolicy(coordinator_pb2.SetPolicyRequest(policy=policy))
+                await stub.SetPolicy(cluster_pb2.SetPolicyRequest(policy=policy))
         await every_node_live(info)
 
     asyncio.run(setup())

@@ -18,7 +18,8 @@ import grpc
 import pytest
 
 from ringq import aio
-from ringq.v1 import coordinator_pb2, coordinator_pb2_grpc
+from ringq.internal.v1 import coordinator_pb2_grpc
+from ringq.v1 import cluster_pb2
 from services import cluster
 from tests.clusters import NODE_ARGS, every_node_live
 
@@ -27,10 +28,10 @@ BACKLOG = 20_000
 
 
 async def _policy(info: cluster.ClusterInfo, definition: dict[str, object]) -> None:
-    policy = coordinator_pb2.Policy(vhost="/", name="ha", pattern="^ha\\.", definition_json=json.dumps(definition))
+    policy = cluster_pb2.Policy(vhost="/", name="ha", pattern="^ha\\.", definition_json=json.dumps(definition))
     async with grpc.aio.insecure_channel(info.coordinator.address) as channel:
         await coordinator_pb2_grpc.CoordinatorServiceStub(channel).SetPolicy(
-            coordinator_pb2.SetPolicyRequest(policy=policy)
+            cluster_pb2.SetPolicyRequest(policy=policy)
         )
 
 

@@ -21,7 +21,7 @@ from typing import Any
 import grpc
 import pytest
 
-from ringq.v1 import coordinator_pb2, peer_pb2, peer_pb2_grpc
+from ringq.internal.v1 import coordinator_pb2, peer_pb2, peer_pb2_grpc
 from services.coordinator import group_table
 from services.coordinator.convert import group_to_proto
 from services.coordinator.group_table import AddMember, Group, GroupChange, GroupMember, MarkMemberDead, Outcome

@@ -10,7 +10,7 @@ from typing import Any
 import grpc
 import pytest
 
-from ringq.v1 import peer_pb2, peer_pb2_grpc
+from ringq.internal.v1 import peer_pb2, peer_pb2_grpc
 from services.gm import links
 from services.gm.links import LinkManager
 

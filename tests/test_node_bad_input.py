@@ -32,7 +32,8 @@ import grpc
 import pytest
 
 from ringq.group import GroupMembership
-from ringq.v1 import group_pb2, group_pb2_grpc, peer_pb2, peer_pb2_grpc
+from ringq.internal.v1 import peer_pb2, peer_pb2_grpc
+from ringq.v1 import group_pb2, group_pb2_grpc
 from services import cluster
 from services.gm.fragments import MAX_FRAGMENT_BYTES, split
 from services.gm.links import PROTOCOL_MAJOR

@@ -45,7 +45,8 @@ import grpc
 import pytest
 
 from ringq import aio
-from ringq.v1 import coordinator_pb2, coordinator_pb2_grpc, queue_pb2
+from ringq.internal.v1 import coordinator_pb2, coordinator_pb2_grpc
+from ringq.v1 import cluster_pb2, queue_pb2
 from tests import netns
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
@@ -103,7 +104,7 @@ async def _status(address: str) -> queue_pb2.QueueInfo | None:
         await connection.close()
 
 
-async def _queue_record(coordinator: str) -> coordinator_pb2.QueueRecord:
+async def _queue_record(coordinator: str) -> cluster_pb2.QueueRecord:
     async with grpc.aio.insecure_channel(coordinator) as channel:
         stub = coordinator_pb2_grpc.CoordinatorServiceStub(channel)
         response = await stub.GetQueue(coordinator_pb2.GetQueueRequest(vhost="/", name=QUEUE), timeout=2.0)

@@ -12,7 +12,8 @@ from typing import Any
 import grpc
 import pytest
 
-from ringq.v1 import peer_pb2_grpc, queue_pb2, queue_pb2_grpc
+from ringq.internal.v1 import peer_pb2_grpc
+from ringq.v1 import queue_pb2, queue_pb2_grpc
 from services.request_guard import RequestGuard
 
 GARBAGE = b"\xff\xff\xff\xff\x0f"  # a field key whose varint never ends: no message parses it
@@ -86,7 +87,7 @@ def test_each_kind_of_rpc_refuses_a_malformed_request_and_serves_a_good_one() ->
                     assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT, method
                     assert len(responses) == 1, f"{method}: the good message was served before the refusal"
 
-                link = channel.stream_stream("/ringq.v1.PeerService/Link", None, None)(iter([GARBAGE]))
+                link = channel.stream_stream("/ringq.internal.v1.PeerService/Link", None, None)(iter([GARBAGE]))
                 with pytest.raises(grpc.aio.AioRpcError) as refused:
                     async for _ in link:
                         pass

@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from ringq.v1 import peer_pb2
+from ringq.internal.v1 import peer_pb2
 from services.coordinator.group_table import Group, GroupMember
 from services.gm import wire
 from services.gm.fragments import FragmentError, Reassembler, ReassemblyBudget, split

@@ -12,7 +12,8 @@ from typing import Any
 
 import grpc
 
-from ringq.v1 import access_pb2, coordinator_pb2
+from ringq.internal.v1 import coordinator_pb2
+from ringq.v1 import access_pb2
 from services.access import Permission
 from services.coordinator import access_records
 from services.coordinator.metadata_service import require, run_store

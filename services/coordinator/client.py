@@ -18,8 +18,9 @@ from typing import TYPE_CHECKING, Self, TypeVar
 import grpc
 from tenacity import AsyncRetrying, retry_if_exception, stop_after_delay, wait_exponential
 
+from ringq.internal.v1 import coordinator_pb2, coordinator_pb2_grpc
 from ringq.keepalive import CHANNEL_KEEPALIVE
-from ringq.v1 import coordinator_pb2, coordinator_pb2_grpc
+from ringq.v1 import cluster_pb2
 from services.coordinator.convert import (
     change_to_request,
     group_from_proto,
@@ -62,7 +63,7 @@ def _retry_policy(retry_seconds: float) -> AsyncRetrying:
 
 
 if TYPE_CHECKING:
-    from ringq.v1.coordinator_pb2_grpc import CoordinatorServiceAsyncStub as Stub
+    from ringq.internal.v1.coordinator_pb2_grpc import CoordinatorServiceAsyncStub as Stub
 
 
 class CoordinatorClient:
@@ -140,8 +141,8 @@ class CoordinatorClient:
         )
         await self._call(lambda stub: stub.NodeHeartbeat, request)
 
-    async def cluster_status(self) -> coordinator_pb2.ClusterStatusResponse:
-        return await self._call(lambda stub: stub.ClusterStatus, coordinator_pb2.ClusterStatusRequest())
+    async def cluster_status(self) -> cluster_pb2.ClusterStatusResponse:
+        return await self._call(lambda stub: stub.ClusterStatus, cluster_pb2.ClusterStatusRequest())
 
     async def declare_queue(self, queue: QueueRecord, preferred_master: str = "") -> QueueRecord:
         request = coordinator_pb2.DeclareQueueRequest(
@@ -162,7 +163,7 @@ class CoordinatorClient:
         return queue_from_proto(response.queue)
 
     async def list_queues(self, vhost: str = "") -> list[QueueRecord]:
-        response = await self._call(lambda stub: stub.ListQueues, coordinator_pb2.ListQueuesRequest(vhost=vhost))
+        response = await self._call(lambda stub: stub.ListQueues, cluster_pb2.ListQueuesRequest(vhost=vhost))
         return [queue_from_proto(q) for q in response.queues]
 
     async def update_queue(self, queue: QueueRecord, expected_version: int) -> QueueRecord:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import json
 
-from ringq.v1 import coordinator_pb2, group_table_pb2
+from ringq.internal.v1 import coordinator_pb2, group_table_pb2
+from ringq.v1 import cluster_pb2
 from services.coordinator.group_table import (
     AddMember,
     CreateGroup,
@@ -103,15 +104,15 @@ def change_from_request(request: ChangeRequest) -> tuple[str, GroupChange]:
 # ------------------------------------------------------------------------------- metadata records
 
 REPLICATION_TO_PROTO = {
-    "none": coordinator_pb2.REPLICATION_LEVEL_NONE,
-    "wiring": coordinator_pb2.REPLICATION_LEVEL_WIRING,
-    "all": coordinator_pb2.REPLICATION_LEVEL_ALL,
+    "none": cluster_pb2.REPLICATION_LEVEL_NONE,
+    "wiring": cluster_pb2.REPLICATION_LEVEL_WIRING,
+    "all": cluster_pb2.REPLICATION_LEVEL_ALL,
 }
 REPLICATION_FROM_PROTO = {value: name for name, value in REPLICATION_TO_PROTO.items()}
 
 
-def node_to_proto(node: NodeRecord, alive: bool) -> coordinator_pb2.NodeRecord:
-    return coordinator_pb2.NodeRecord(
+def node_to_proto(node: NodeRecord, alive: bool) -> cluster_pb2.NodeRecord:
+    return cluster_pb2.NodeRecord(
         node=node.node,
         address=node.address,
         draining=node.draining,
@@ -145,8 +146,8 @@ def memory_report_from_heartbeat(request: coordinator_pb2.NodeHeartbeatRequest) 
     )
 
 
-def queue_to_proto(queue: QueueRecord) -> coordinator_pb2.QueueRecord:
-    return coordinator_pb2.QueueRecord(
+def queue_to_proto(queue: QueueRecord) -> cluster_pb2.QueueRecord:
+    return cluster_pb2.QueueRecord(
         vhost=queue.vhost,
         name=queue.name,
         durable=queue.durable,
@@ -159,14 +160,14 @@ def queue_to_proto(queue: QueueRecord) -> coordinator_pb2.QueueRecord:
         policy=queue.policy,
         policy_definition_json=json.dumps(dict(queue.policy_definition), sort_keys=True),
         gm_group=queue.gm_group,
-        replication=REPLICATION_TO_PROTO.get(queue.replication, coordinator_pb2.REPLICATION_LEVEL_UNSPECIFIED),
+        replication=REPLICATION_TO_PROTO.get(queue.replication, cluster_pb2.REPLICATION_LEVEL_UNSPECIFIED),
         recovery_positions=dict(queue.recovery_positions),
         master_epoch=queue.master_epoch,
         version=queue.version,
     )
 
 
-def queue_from_proto(pb: coordinator_pb2.QueueRecord) -> QueueRecord:
+def queue_from_proto(pb: cluster_pb2.QueueRecord) -> QueueRecord:
     """The record's fields; raises ValueError for an unparsable policy definition."""
     return QueueRecord(
         vhost=pb.vhost,
@@ -188,8 +189,8 @@ def queue_from_proto(pb: coordinator_pb2.QueueRecord) -> QueueRecord:
     )
 
 
-def policy_to_proto(policy: Policy) -> coordinator_pb2.Policy:
-    return coordinator_pb2.Policy(
+def policy_to_proto(policy: Policy) -> cluster_pb2.Policy:
+    return cluster_pb2.Policy(
         vhost=policy.vhost,
         name=policy.name,
         pattern=policy.pattern,
@@ -199,13 +200,13 @@ def policy_to_proto(policy: Policy) -> coordinator_pb2.Policy:
     )
 
 
-def policy_from_proto(pb: coordinator_pb2.Policy) -> Policy:
+def policy_from_proto(pb: cluster_pb2.Policy) -> Policy:
     """The policy; PolicyError (key "definition") if its definition is not a JSON object."""
     definition = parse_definition(pb.definition_json)
     return Policy(pb.vhost or "/", pb.name, pb.pattern, definition, pb.priority, pb.apply_to or "queues")
 
 
-def lease_to_proto(lease: Lease) -> coordinator_pb2.Lease:
-    return coordinator_pb2.Lease(
+def lease_to_proto(lease: Lease) -> cluster_pb2.Lease:
+    return cluster_pb2.Lease(
         name=lease.name, holder=lease.holder, token=lease.token, expires_at_unix_ms=lease.expires_at_ms
     )

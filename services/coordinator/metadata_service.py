@@ -20,7 +20,8 @@ from typing import Any, ParamSpec, TypeVar
 
 import grpc
 
-from ringq.v1 import coordinator_pb2
+from ringq.internal.v1 import coordinator_pb2
+from ringq.v1 import cluster_pb2
 from services.coordinator import access_records, metadata, records
 from services.coordinator.convert import (
     disk_report_from_heartbeat,
@@ -129,22 +130,22 @@ class MetadataRpcs:
         return coordinator_pb2.NodeHeartbeatResponse()
 
     async def SetNodeDraining(
-        self, request: coordinator_pb2.SetNodeDrainingRequest, context: _Context
-    ) -> coordinator_pb2.SetNodeDrainingResponse:
+        self, request: cluster_pb2.SetNodeDrainingRequest, context: _Context
+    ) -> cluster_pb2.SetNodeDrainingResponse:
         await require(context, node=request.node)
         if not await run_store(context, records.set_node_draining, self._store, request.node, request.draining):
             await context.abort(grpc.StatusCode.NOT_FOUND, f"no node {request.node!r} is registered")
-        return coordinator_pb2.SetNodeDrainingResponse()
+        return cluster_pb2.SetNodeDrainingResponse()
 
     async def ClusterStatus(
-        self, request: coordinator_pb2.ClusterStatusRequest, context: _Context
-    ) -> coordinator_pb2.ClusterStatusResponse:
+        self, request: cluster_pb2.ClusterStatusRequest, context: _Context
+    ) -> cluster_pb2.ClusterStatusResponse:
         nodes = await run_store(context, records.list_nodes, self._store)
         coordinators = await run_store(context, self._store.list, COORDINATOR)
-        return coordinator_pb2.ClusterStatusResponse(
+        return cluster_pb2.ClusterStatusResponse(
             nodes=[node_to_proto(n, self._alive(n.last_heartbeat_unix_ms)) for n in nodes],
             coordinators=[
-                coordinator_pb2.CoordinatorEndpoint(address=r.key, alive=self._alive(int(r.value["at_unix_ms"])))
+                cluster_pb2.CoordinatorEndpoint(address=r.key, alive=self._alive(int(r.value["at_unix_ms"])))
                 for r in coordinators
             ],
             store_kind=self._store.kind_name,
@@ -153,14 +154,14 @@ class MetadataRpcs:
     # --------------------------------------------------------------- policies
 
     async def SetPolicy(
-        self, request: coordinator_pb2.SetPolicyRequest, context: _Context
-    ) -> coordinator_pb2.SetPolicyResponse:
+        self, request: cluster_pb2.SetPolicyRequest, context: _Context
+    ) -> cluster_pb2.SetPolicyResponse:
         def save() -> Policy:
             return metadata.save_policy(self._store, policy_from_proto(request.policy))  # both may refuse it
 
         policy = await run_store(context, save)
         changed = await self._apply_policies(context)
-        return coordinator_pb2.SetPolicyResponse(policy=policy_to_proto(policy), queues_changed=changed)
+        return cluster_pb2.SetPolicyResponse(policy=policy_to_proto(policy), queues_changed=changed)
 
     async def _apply_policies(self, context: _Context) -> int:
         """Re-apply the policies in a placement pass, shared with concurrent changes (so over every
@@ -172,19 +173,19 @@ class MetadataRpcs:
         return await mapped(context, self._passes.apply_policies(apply))
 
     async def ClearPolicy(
-        self, request: coordinator_pb2.ClearPolicyRequest, context: _Context
-    ) -> coordinator_pb2.ClearPolicyResponse:
+        self, request: cluster_pb2.ClearPolicyRequest, context: _Context
+    ) -> cluster_pb2.ClearPolicyResponse:
         await require(context, name=request.name)
 
         vhost = request.vhost or "/"
         await run_store(context, metadata.delete_policy, self._store, vhost, request.name)
-        return coordinator_pb2.ClearPolicyResponse(queues_changed=await self._apply_policies(context))
+        return cluster_pb2.ClearPolicyResponse(queues_changed=await self._apply_policies(context))
 
     async def ListPolicies(
-        self, request: coordinator_pb2.ListPoliciesRequest, context: _Context
-    ) -> coordinator_pb2.ListPoliciesResponse:
+        self, request: cluster_pb2.ListPoliciesRequest, context: _Context
+    ) -> cluster_pb2.ListPoliciesResponse:
         found = await run_store(context, metadata.list_policies, self._store, request.vhost)
-        return coordinator_pb2.ListPoliciesResponse(policies=[policy_to_proto(p) for p in found])
+        return cluster_pb2.ListPoliciesResponse(policies=[policy_to_proto(p) for p in found])
 
     # ----------------------------------------------------------------- queues
 
@@ -221,10 +222,10 @@ class MetadataRpcs:
         return coordinator_pb2.QueueRecordResponse(queue=queue_to_proto(queue))
 
     async def ListQueues(
-        self, request: coordinator_pb2.ListQueuesRequest, context: _Context
-    ) -> coordinator_pb2.ListQueuesResponse:
+        self, request: cluster_pb2.ListQueuesRequest, context: _Context
+    ) -> cluster_pb2.ListQueuesResponse:
         queues = await run_store(context, metadata.list_queues, self._store, request.vhost)
-        return coordinator_pb2.ListQueuesResponse(queues=[queue_to_proto(q) for q in queues])
+        return cluster_pb2.ListQueuesResponse(queues=[queue_to_proto(q) for q in queues])
 
     async def UpdateQueue(
         self, request: coordinator_pb2.UpdateQueueRequest, context: _Context
@@ -287,10 +288,10 @@ class MetadataRpcs:
         return coordinator_pb2.CheckLeaseResponse(valid=valid, lease=lease_to_proto(lease))
 
     async def ListLeases(
-        self, request: coordinator_pb2.ListLeasesRequest, context: _Context
-    ) -> coordinator_pb2.ListLeasesResponse:
+        self, request: cluster_pb2.ListLeasesRequest, context: _Context
+    ) -> cluster_pb2.ListLeasesResponse:
         found = await run_store(context, metadata.list_leases, self._store)
-        return coordinator_pb2.ListLeasesResponse(leases=[lease_to_proto(lease) for lease in found])
+        return cluster_pb2.ListLeasesResponse(leases=[lease_to_proto(lease) for lease in found])
 
     # ------------------------------------------------------------------ watch
 

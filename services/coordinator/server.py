@@ -21,8 +21,8 @@ from typing import Any, Literal, ParamSpec, TypeVar
 
 import grpc
 
+from ringq.internal.v1 import coordinator_pb2, coordinator_pb2_grpc, group_table_pb2
 from ringq.keepalive import SERVER_KEEPALIVE
-from ringq.v1 import coordinator_pb2, coordinator_pb2_grpc, group_table_pb2
 from services.access import GUEST
 from services.coordinator import access_records, metadata, records
 from services.coordinator.access_service import AccessRpcs

@@ -13,7 +13,7 @@ half-delivered (the link carrying it is then closed: see links.py).
 
 from __future__ import annotations
 
-from ringq.v1 import peer_pb2
+from ringq.internal.v1 import peer_pb2
 
 MAX_FRAGMENT_BYTES = 64 * 1024
 # A bound on one reassembled message (a Catchup may carry many pending publications of up to 16 MiB).

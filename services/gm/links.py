@@ -38,8 +38,8 @@ from typing import Any
 
 import grpc
 
+from ringq.internal.v1 import peer_pb2, peer_pb2_grpc
 from ringq.keepalive import CHANNEL_KEEPALIVE
-from ringq.v1 import peer_pb2, peer_pb2_grpc
 from services.gm.fragments import MAX_FRAGMENT_BYTES, FragmentError, Reassembler, ReassemblyBudget, split
 from services.tls import PLAINTEXT, Dialer, caller
 

@@ -7,7 +7,7 @@ survives a round trip unchanged; bodies are passed through as lists of bytes
 
 from __future__ import annotations
 
-from ringq.v1 import peer_pb2
+from ringq.internal.v1 import peer_pb2
 from services.gm.messages import Activity, Catchup, PublisherActivity, PublisherState, RingMessage
 
 

@@ -29,7 +29,7 @@ from collections.abc import Callable, Coroutine
 
 from tenacity import AsyncRetrying, retry_if_exception_type, wait_exponential
 
-from ringq.v1 import queue_replication_pb2
+from ringq.internal.v1 import queue_replication_pb2
 from services.queue import wire
 from services.queue.durability import Claim, Position
 from services.queue.group_commit import GroupCommitter

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from google.protobuf.message import DecodeError
 
-from ringq.v1 import queue_replication_pb2 as pb
+from ringq.internal.v1 import queue_replication_pb2 as pb
 from services.queue.ops import (
     Deliver,
     Depth,

@@ -53,7 +53,7 @@ from ringq import tracing
 from ringq.history import History
 from ringq.keepalive import CHANNEL_KEEPALIVE
 from ringq.security import TLS, Credentials, aio_channel, authenticated
-from ringq.v1 import access_pb2, admin_pb2_grpc, coordinator_pb2, queue_pb2, queue_pb2_grpc
+from ringq.v1 import access_pb2, admin_pb2_grpc, cluster_pb2, queue_pb2, queue_pb2_grpc
 
 CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", 64 * 1024 * 1024),
@@ -767,7 +767,7 @@ class Admin:
         self, name: str, pattern: str, definition: Mapping[str, Any], *, priority: int = 0, apply_to: str = "queues"
     ) -> None:
         """Create or replace a policy (RabbitMQ's keys: ha-mode, ha-params, ha-sync-mode, message-ttl, ...)."""
-        policy = coordinator_pb2.Policy(
+        policy = cluster_pb2.Policy(
             vhost=self.vhost,
             name=name,
             pattern=pattern,
@@ -775,22 +775,22 @@ class Admin:
             priority=priority,
             apply_to=apply_to,
         )
-        await self._call("SetPolicy", coordinator_pb2.SetPolicyRequest(policy=policy))
+        await self._call("SetPolicy", cluster_pb2.SetPolicyRequest(policy=policy))
 
     async def clear_policy(self, name: str) -> None:
-        await self._call("ClearPolicy", coordinator_pb2.ClearPolicyRequest(vhost=self.vhost, name=name))
+        await self._call("ClearPolicy", cluster_pb2.ClearPolicyRequest(vhost=self.vhost, name=name))
 
-    async def list_policies(self) -> list[coordinator_pb2.Policy]:
-        response = await self._call("ListPolicies", coordinator_pb2.ListPoliciesRequest(vhost=self.vhost))
+    async def list_policies(self) -> list[cluster_pb2.Policy]:
+        response = await self._call("ListPolicies", cluster_pb2.ListPoliciesRequest(vhost=self.vhost))
         return list(response.policies)
 
-    async def list_queues(self) -> list[coordinator_pb2.QueueRecord]:
-        response = await self._call("ListQueues", coordinator_pb2.ListQueuesRequest(vhost=self.vhost))
+    async def list_queues(self) -> list[cluster_pb2.QueueRecord]:
+        response = await self._call("ListQueues", cluster_pb2.ListQueuesRequest(vhost=self.vhost))
         return list(response.queues)
 
-    async def cluster_status(self) -> coordinator_pb2.ClusterStatusResponse:
-        response: coordinator_pb2.ClusterStatusResponse = await self._call(
-            "ClusterStatus", coordinator_pb2.ClusterStatusRequest()
+    async def cluster_status(self) -> cluster_pb2.ClusterStatusResponse:
+        response: cluster_pb2.ClusterStatusResponse = await self._call(
+            "ClusterStatus", cluster_pb2.ClusterStatusRequest()
         )
         return response
 

@@ -27,7 +27,7 @@ from typing import Any, TypeVar
 
 from ringq import aio
 from ringq.aio import Delivery, Outcome
-from ringq.v1 import access_pb2, coordinator_pb2, queue_pb2
+from ringq.v1 import access_pb2, cluster_pb2, queue_pb2
 
 T = TypeVar("T")
 _loop_lock = threading.Lock()
@@ -186,13 +186,13 @@ class Admin:
     def clear_policy(self, name: str) -> None:
         _run(self.aio.clear_policy(name))
 
-    def list_policies(self) -> list[coordinator_pb2.Policy]:
+    def list_policies(self) -> list[cluster_pb2.Policy]:
         return _run(self.aio.list_policies())
 
-    def list_queues(self) -> list[coordinator_pb2.QueueRecord]:
+    def list_queues(self) -> list[cluster_pb2.QueueRecord]:
         return _run(self.aio.list_queues())
 
-    def cluster_status(self) -> coordinator_pb2.ClusterStatusResponse:
+    def cluster_status(self) -> cluster_pb2.ClusterStatusResponse:
         return _run(self.aio.cluster_status())
 
     def add_user(self, name: str, password: str, tags: Sequence[str] = ()) -> None:

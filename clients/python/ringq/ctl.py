@@ -37,7 +37,7 @@ from ringq import ctl_access
 from ringq.ctl_output import as_json as _as_json
 from ringq.ctl_output import table as _table
 from ringq.security import TLS, Credentials, authenticated, channel
-from ringq.v1 import admin_pb2_grpc, coordinator_pb2, queue_pb2, queue_pb2_grpc
+from ringq.v1 import admin_pb2_grpc, cluster_pb2, queue_pb2, queue_pb2_grpc
 
 DEFAULT_NODE = "127.0.0.1:7100"
 NODE_ENV = "RINGQ_NODE"
@@ -247,7 +247,7 @@ def _mebibytes(size_bytes: int) -> str:
 _SizeField = Literal["disk_free_bytes", "disk_free_limit_bytes", "memory_used_bytes", "memory_high_watermark_bytes"]
 
 
-def _alarm_columns(node: coordinator_pb2.NodeRecord, figure: _SizeField, bound: _SizeField, alarm: bool) -> list[str]:
+def _alarm_columns(node: cluster_pb2.NodeRecord, figure: _SizeField, bound: _SizeField, alarm: bool) -> list[str]:
     """A measured figure, its bound (0: "none") and the alarm: "-" for what the node did not report
     (an older node)."""
 
@@ -261,7 +261,7 @@ def _alarm_columns(node: coordinator_pb2.NodeRecord, figure: _SizeField, bound: 
 
 
 def cluster_status(c: Admin, args: argparse.Namespace) -> tuple[Any, str]:
-    status = c.call(lambda s: s.ClusterStatus, coordinator_pb2.ClusterStatusRequest())
+    status = c.call(lambda s: s.ClusterStatus, cluster_pb2.ClusterStatusRequest())
     now = time.time() * 1000
     rows = [
         [
@@ -284,19 +284,19 @@ def cluster_status(c: Admin, args: argparse.Namespace) -> tuple[Any, str]:
 
 
 def drain_node(c: Admin, args: argparse.Namespace) -> tuple[Any, str]:
-    request = coordinator_pb2.SetNodeDrainingRequest(node=args.node_id, draining=True)
+    request = cluster_pb2.SetNodeDrainingRequest(node=args.node_id, draining=True)
     response = c.call(lambda s: s.SetNodeDraining, request)
     return _as_json(response), f"node {args.node_id!r} is draining: no new replicas are placed on it"
 
 
 def undrain_node(c: Admin, args: argparse.Namespace) -> tuple[Any, str]:
-    request = coordinator_pb2.SetNodeDrainingRequest(node=args.node_id, draining=False)
+    request = cluster_pb2.SetNodeDrainingRequest(node=args.node_id, draining=False)
     response = c.call(lambda s: s.SetNodeDraining, request)
     return _as_json(response), f"node {args.node_id!r} takes new replicas again"
 
 
 def set_policy(c: Admin, args: argparse.Namespace) -> tuple[Any, str]:
-    policy = coordinator_pb2.Policy(
+    policy = cluster_pb2.Policy(
         vhost=args.vhost,
         name=args.name,
         pattern=args.pattern,
@@ -304,20 +304,20 @@ def set_policy(c: Admin, args: argparse.Namespace) -> tuple[Any, str]:
         priority=args.priority,
         apply_to=args.apply_to,
     )
-    response = c.call(lambda s: s.SetPolicy, coordinator_pb2.SetPolicyRequest(policy=policy))
+    response = c.call(lambda s: s.SetPolicy, cluster_pb2.SetPolicyRequest(policy=policy))
     return _as_json(
         response
     ), f"policy {args.name!r} set in vhost {args.vhost!r}; {response.queues_changed} queue(s) changed"
 
 
 def clear_policy(c: Admin, args: argparse.Namespace) -> tuple[Any, str]:
-    request = coordinator_pb2.ClearPolicyRequest(vhost=args.vhost, name=args.name)
+    request = cluster_pb2.ClearPolicyRequest(vhost=args.vhost, name=args.name)
     response = c.call(lambda s: s.ClearPolicy, request)
     return _as_json(response), f"policy {args.name!r} cleared; {response.queues_changed} queue(s) changed"
 
 
 def list_policies(c: Admin, args: argparse.Namespace) -> tuple[Any, str]:
-    response = c.call(lambda s: s.ListPolicies, coordinator_pb2.ListPoliciesRequest(vhost=args.vhost or ""))
+    response = c.call(lambda s: s.ListPolicies, cluster_pb2.ListPoliciesRequest(vhost=args.vhost or ""))
     rows = [
         [p.vhost, p.name, p.pattern, p.apply_to, str(p.priority), _definition_text(p.definition_json)]
         for p in response.policies
@@ -326,7 +326,7 @@ def list_policies(c: Admin, args: argparse.Namespace) -> tuple[Any, str]:
 
 
 def list_leases(c: Admin, args: argparse.Namespace) -> tuple[Any, str]:
-    response = c.call(lambda s: s.ListLeases, coordinator_pb2.ListLeasesRequest())
+    response = c.call(lambda s: s.ListLeases, cluster_pb2.ListLeasesRequest())
     now = time.time() * 1000
     rows = [
         [
@@ -344,7 +344,7 @@ def list_leases(c: Admin, args: argparse.Namespace) -> tuple[Any, str]:
 
 
 def _statuses(
-    c: Admin, args: argparse.Namespace, queues: Sequence[coordinator_pb2.QueueRecord]
+    c: Admin, args: argparse.Namespace, queues: Sequence[cluster_pb2.QueueRecord]
 ) -> list[queue_pb2.QueueInfo | str]:
     """QueueStatus of each queue from a node: the QueueInfo, or the error as "CODE: message"."""
     if not queues:
@@ -383,7 +383,7 @@ def _recent_events(info: queue_pb2.QueueInfo) -> str:
 
 
 def list_queues(c: Admin, args: argparse.Namespace) -> tuple[Any, str]:
-    response = c.call(lambda s: s.ListQueues, coordinator_pb2.ListQueuesRequest(vhost=args.vhost or ""))
+    response = c.call(lambda s: s.ListQueues, cluster_pb2.ListQueuesRequest(vhost=args.vhost or ""))
     statuses = _statuses(c, args, response.queues)
     rows = []
     entries = []
@@ -417,7 +417,7 @@ def list_queues(c: Admin, args: argparse.Namespace) -> tuple[Any, str]:
 
 
 def list_consumers(c: Admin, args: argparse.Namespace) -> tuple[Any, str]:
-    response = c.call(lambda s: s.ListQueues, coordinator_pb2.ListQueuesRequest(vhost=args.vhost or ""))
+    response = c.call(lambda s: s.ListQueues, cluster_pb2.ListQueuesRequest(vhost=args.vhost or ""))
     statuses = _statuses(c, args, response.queues)
     entries: list[dict[str, Any]] = []
     for q, info in zip(response.queues, statuses, strict=True):
