@@ -13,7 +13,10 @@ Who makes a call:
     (e.g. dead-lettering) and is not restricted.
 
 Guarantees: with TLS on, no public call reaches a queue, group or the coordinator unless its user
-may make it; refusals carry PERMISSION_DENIED with the reason. Without TLS (plaintext, for
+may make it; refusals carry PERMISSION_DENIED with the reason. A change an administrator has just
+made counts at once on every node: before refusing, a node reads the table again (at most once per
+RELOAD_ON_REFUSAL_SECONDS, one read shared by every call waiting on it), so a user created or granted
+through one node is not refused by another whose watch has not caught up yet. Without TLS (plaintext, for
 development), nothing can be proven, so nothing is enforced; the node's start-up warning says so.
 """
 
@@ -22,7 +25,10 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
+import contextlib
 import logging
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,6 +45,9 @@ log = logging.getLogger("ringq.access")
 
 USER_METADATA = "ringq-user"  # names the user a relaying node authenticated
 RELOAD_PAUSE_SECONDS = 0.2
+# A refusal re-reads the table first, at most this often (a flood of bad credentials costs the
+# coordinator one read per interval, not one per call).
+RELOAD_ON_REFUSAL_SECONDS = 0.25
 
 
 @dataclass(frozen=True)
@@ -72,6 +81,8 @@ class AccessGuard:
         self.enforced = enforced
         self.table = AccessTable()
         self.checks = PasswordChecks()
+        self._loaded_at = float("-inf")
+        self._reloading: asyncio.Future[None] | None = None
 
     # ------------------------------------------------------------------ freshness
 
@@ -84,6 +95,17 @@ class AccessGuard:
             response.vhosts,
             [Permission(p.user, p.vhost, p.configure, p.write, p.read) for p in response.permissions],
         )
+        self._loaded_at = time.monotonic()
+
+    async def _reload_before_refusing(self) -> None:
+        """Read the table again unless it was read within RELOAD_ON_REFUSAL_SECONDS (one read at a time,
+        shared); a coordinator that cannot be reached leaves the table as it was."""
+        if self.coordinator is None or time.monotonic() - self._loaded_at < RELOAD_ON_REFUSAL_SECONDS:
+            return
+        if self._reloading is None or self._reloading.done():
+            self._reloading = asyncio.ensure_future(self.load())
+        with contextlib.suppress(grpc.aio.AioRpcError):
+            await asyncio.shield(self._reloading)
 
     async def run(self) -> None:
         """Reload after every change the coordinator reports, for as long as the node runs."""
@@ -113,26 +135,37 @@ class AccessGuard:
             named = _metadata(context, USER_METADATA)
             return Principal(named) if named else UNRESTRICTED
         user, password = _basic_credentials(context)
-        problem = self.table.login_problem(user, _from_loopback(context.peer()))
-        if problem is None and not await self.checks.check(user, self.table.users[user].password_hash, password):
-            problem = "unknown user or wrong password"
+        problem = await self._login_problem(context, user, password)
+        if problem is not None:
+            await self._reload_before_refusing()  # the user or password may be new
+            problem = await self._login_problem(context, user, password)
         if problem is not None:
             raise Refusal(grpc.StatusCode.UNAUTHENTICATED, problem)
         return Principal(user)
 
-    def permit(self, principal: Principal, vhost: str, operation: Operation, name: str) -> None:
-        """Refusal (PERMISSION_DENIED) unless `principal` may `operation` `name` in `vhost`."""
-        if principal.user is None:
-            return
-        problem = self.table.permission_problem(principal.user, vhost, operation, name)
-        if problem is not None:
-            raise Refusal(grpc.StatusCode.PERMISSION_DENIED, problem)
+    async def _login_problem(self, context: Any, user: str, password: str) -> str | None:
+        problem = self.table.login_problem(user, _from_loopback(context.peer()))
+        if problem is None and not await self.checks.check(user, self.table.users[user].password_hash, password):
+            problem = "unknown user or wrong password"
+        return problem
 
-    def permit_tags(self, principal: Principal, needed: frozenset[str], what: str) -> None:
+    async def permit(self, principal: Principal, vhost: str, operation: Operation, name: str) -> None:
+        """Refusal (PERMISSION_DENIED) unless `principal` may `operation` `name` in `vhost`."""
+        user = principal.user
+        if user is not None:
+            await self._refuse_unless(lambda: self.table.permission_problem(user, vhost, operation, name))
+
+    async def permit_tags(self, principal: Principal, needed: frozenset[str], what: str) -> None:
         """Refusal (PERMISSION_DENIED) unless `principal` has one of the tags `needed`."""
-        if principal.user is None:
+        user = principal.user
+        if user is not None:
+            await self._refuse_unless(lambda: self.table.tag_problem(user, needed, what))
+
+    async def _refuse_unless(self, problem_now: Callable[[], str | None]) -> None:
+        if problem_now() is None:
             return
-        problem = self.table.tag_problem(principal.user, needed, what)
+        await self._reload_before_refusing()  # a permission or tag may just have been granted
+        problem = problem_now()
         if problem is not None:
             raise Refusal(grpc.StatusCode.PERMISSION_DENIED, problem)
 
@@ -140,7 +173,7 @@ class AccessGuard:
         """The call's principal, once it may `operation` `name` in `vhost`; aborts the call otherwise."""
         try:
             principal = await self.principal(context)
-            self.permit(principal, vhost, operation, name)
+            await self.permit(principal, vhost, operation, name)
         except Refusal as refusal:
             await context.abort(refusal.code, refusal.details)
         return principal
@@ -148,7 +181,7 @@ class AccessGuard:
     async def allow_tags(self, context: Any, needed: frozenset[str], what: str) -> Principal:
         try:
             principal = await self.principal(context)
-            self.permit_tags(principal, needed, what)
+            await self.permit_tags(principal, needed, what)
         except Refusal as refusal:
             await context.abort(refusal.code, refusal.details)
         return principal

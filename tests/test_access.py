@@ -135,3 +135,62 @@ def test_a_cluster_can_start_with_an_administrator_of_its_own(tmp_path: Path) ->
         assert table.permission_problem("admin", "/", Operation.CONFIGURE, "anything") is None
     finally:
         store.close()
+
+
+class _Coordinator:
+    """ReadAccess answers: each call gives the next table (the last one again once they run out)."""
+
+    def __init__(self, *tables: Any) -> None:
+        self.tables = list(tables)
+        self.reads = 0
+
+    async def call(self, method: Any, request: Any) -> Any:
+        self.reads += 1
+        return self.tables.pop(0) if len(self.tables) > 1 else self.tables[0]
+
+
+class _Call:
+    def __init__(self, user: str, password: str) -> None:
+        self.token = base64.b64encode(f"{user}:{password}".encode()).decode()
+
+    def auth_context(self) -> dict[str, list[bytes]]:
+        return {"transport_security_type": [b"ssl"]}
+
+    def invocation_metadata(self) -> Any:
+        return [("authorization", f"Basic {self.token}")]
+
+    def peer(self) -> str:
+        return "ipv4:10.1.2.3:5000"
+
+
+def test_a_user_created_or_granted_through_another_node_is_not_refused_while_the_watch_lags() -> None:
+    """The demo's first declare as a user it had just created got UNAUTHENTICATED from a node whose
+    watch had not delivered the new user yet: a refusal re-reads the table first."""
+    from ringq.internal.v1 import coordinator_pb2
+    from ringq.v1 import access_pb2
+    from services.access_guard import AccessGuard
+
+    before = coordinator_pb2.ReadAccessResponse(vhosts=["/"])
+    alice = coordinator_pb2.StoredUser(name="alice", password_hash=hash_password("pw"))
+    after_user = coordinator_pb2.ReadAccessResponse(vhosts=["/"], users=[alice])
+    grant = access_pb2.Permission(user="alice", vhost="/", configure=".*", write=".*", read=".*")
+    after_grant = coordinator_pb2.ReadAccessResponse(vhosts=["/"], users=[alice], permissions=[grant])
+    coordinator = _Coordinator(before, after_user, after_grant)
+
+    async def scenario() -> None:
+        guard = AccessGuard(coordinator, enforced=True)  # type: ignore[arg-type]
+        await guard.load()
+        guard._loaded_at = float("-inf")  # the table is old: a refusal may re-read it
+        principal = await guard.principal(_Call("alice", "pw"))
+        assert principal == Principal("alice")
+        guard._loaded_at = float("-inf")
+        await guard.permit(principal, "/", Operation.WRITE, "orders")
+        # A wrong password is still refused, and re-reads at most once per interval.
+        reads = coordinator.reads
+        for _ in range(5):
+            with pytest.raises(Refusal) as refused:
+                await guard.principal(_Call("alice", "wrong"))
+            assert refused.value.code == grpc.StatusCode.UNAUTHENTICATED
+        assert coordinator.reads - reads <= 1
+
+    asyncio.run(scenario())

@@ -388,7 +388,7 @@ class QueueServicer(queue_pb2_grpc.QueueServiceServicer):
                     key = (_vhost(request.queue), request.queue.queue)
                     if key not in routes:
                         try:
-                            self.access.permit(principal, key[0], Operation.WRITE, key[1])
+                            await self.access.permit(principal, key[0], Operation.WRITE, key[1])
                             replica, stub, record = await self._find(request.queue)
                         except Refusal as refusal:
                             pending.put_nowait(failed(Refused(refusal.code, refusal.details)))
