@@ -307,3 +307,20 @@ def test_declares_through_a_load_cache_list_the_queues_once_per_interval_and_sti
     now[0] = 1.0
     metadata.declare_queue(store, QueueRecord("/", "late"), NODES, load_cache=cache)
     assert store.queue_listings - listed_before == 3  # one listing by the test, one refresh
+
+
+def test_a_queue_without_a_bound_of_its_own_gets_the_default_one() -> None:
+    """No queue is unbounded: without max-length or max-length-bytes in its policy a queue holds at most
+    DEFAULT_MAX_LENGTH_BYTES and then refuses publishes (REJECTED); a policy's own bound replaces it,
+    and a policy's overflow is kept."""
+    store = MemoryStore()
+    default = metadata.DEFAULT_MAX_LENGTH_BYTES
+    unbounded = _declare(store, "plain")
+    assert unbounded.policy == "" and unbounded.mirrors == ()
+    assert unbounded.policy_definition == {"max-length-bytes": default, "overflow": "reject-publish"}
+    metadata.set_policy(store, Policy("/", "ha", "^ha", {"ha-mode": "all", "overflow": "drop-head"}), NODES)
+    mirrored = _declare(store, "ha.q")
+    assert mirrored.policy_definition == {"ha-mode": "all", "overflow": "drop-head", "max-length-bytes": default}
+    assert len(mirrored.mirrors) == len(NODES) - 1, "the bound changes no placement"
+    metadata.set_policy(store, Policy("/", "small", "^small", {"max-length": 5}), NODES)
+    assert _declare(store, "small.q").policy_definition == {"max-length": 5}

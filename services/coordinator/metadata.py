@@ -226,6 +226,23 @@ def _count_replicas(load: dict[str, int], queue: QueueRecord, sign: int) -> None
         load[node] = load.get(node, 0) + sign
 
 
+# A queue whose policy bounds it neither in messages nor in bytes holds at most this many bytes of
+# messages; past it, publishes are answered REJECTED (overflow reject-publish, unless the policy chose
+# another overflow). A policy with max-length or max-length-bytes replaces it.
+DEFAULT_MAX_LENGTH_BYTES = 2 * 1024**3
+
+
+def with_default_bound(definition: dict[str, Any]) -> dict[str, Any]:
+    """`definition` bounded by DEFAULT_MAX_LENGTH_BYTES if it sets no bound of its own."""
+    if "max-length" in definition or "max-length-bytes" in definition:
+        return definition
+    return {
+        **definition,
+        "max-length-bytes": DEFAULT_MAX_LENGTH_BYTES,
+        "overflow": definition.get("overflow", "reject-publish"),
+    }
+
+
 def _placed(
     queue: QueueRecord,
     all_policies: Sequence[Policy],
@@ -238,7 +255,7 @@ def _placed(
     `unproven_nodes` keep the replicas of `queue` they hold but get no new one.
     """
     effective = policies.effective_policy(queue.vhost, queue.name, all_policies)
-    definition = dict(effective.definition) if effective else {}
+    definition = with_default_bound(dict(effective.definition) if effective else {})
     replication = str(definition.get("replication", "all"))
     if queue.master and queue.master not in live_nodes:
         # A lost master is replaced by the queue's own replicas, which know which mirror is
@@ -253,10 +270,10 @@ def _placed(
     # still know whose log to wait for before electing one (services/queue/durability.py).
     kept = [m for m in queue.synchronised_mirrors if m in queue.mirrors and m not in candidates]
     candidates = [*candidates, *kept]
-    if replication == "none":
+    if replication == "none" or effective is None:
         definition_for_placement: Mapping[str, Any] | None = None
     else:
-        definition_for_placement = definition or None
+        definition_for_placement = dict(effective.definition) or None
     placed = placement.place(
         definition_for_placement, candidates, current, preferred_master=queue.master or None, load=load
     )
