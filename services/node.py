@@ -62,7 +62,8 @@ from services.gm.ring import NotJoined, RingMember
 from services.memory_monitor import DEFAULT_WATERMARK_SHARE, MemoryMonitor, default_watermark_bytes
 from services.queue.manager import QueueManager
 from services.queue.service import QueueServicer
-from services.request_guard import STREAM_LIMIT_OPTION, RequestGuard
+from services.request_guard import SERVER_OPTIONS as GUARDED_SERVER_OPTIONS
+from services.request_guard import RequestGuard
 from services.tls import PLAINTEXT, ClusterTLS, Dialer, acting_for_problem, member_problem
 
 log = logging.getLogger("ringq.node")
@@ -80,7 +81,7 @@ MAX_GRPC_MESSAGE_BYTES = 64 * 1024 * 1024
 SERVER_OPTIONS = [
     ("grpc.max_send_message_length", MAX_GRPC_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_GRPC_MESSAGE_BYTES),
-    STREAM_LIMIT_OPTION,
+    *GUARDED_SERVER_OPTIONS,
     *SERVER_KEEPALIVE,
 ]
 _MESSAGE_LIMITS = ("grpc.max_send_message_length", "grpc.max_receive_message_length")

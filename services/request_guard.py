@@ -28,6 +28,11 @@ LOG_INTERVAL_SECONDS = 10.0
 # cannot pile up unbounded per-call state on a node.
 MAX_STREAMS_PER_CONNECTION = 1024
 STREAM_LIMIT_OPTION = ("grpc.max_concurrent_streams", MAX_STREAMS_PER_CONNECTION)
+# gRPC binds with SO_REUSEPORT unless told not to: a second process on a port already taken would start,
+# say it listens, and take a share of the first one's clients (two coordinators with different databases
+# answered on one port). Without it, the second one fails to bind and says so.
+EXCLUSIVE_PORT_OPTION = ("grpc.so_reuseport", 0)
+SERVER_OPTIONS = [STREAM_LIMIT_OPTION, EXCLUSIVE_PORT_OPTION]
 _MAX_HOSTS_REMEMBERED = 1024
 
 

@@ -443,3 +443,36 @@ def test_a_corrupt_record_is_one_line(cluster_dir: Path) -> None:
             f"ringq: {cluster_dir.resolve() / 'cluster.json'} is not a cluster record"
         )
     (cluster_dir / "cluster.json").unlink()
+
+
+def test_a_second_process_on_a_port_already_taken_exits_with_the_reason(tmp_path: Path) -> None:
+    """gRPC binds with SO_REUSEPORT unless told not to: a second coordinator on a taken port once started,
+    said it listened and answered a share of the first one's calls from another database."""
+    ready = tmp_path / "first.ready"
+    first = subprocess.Popen(
+        [sys.executable, "-m", "services.coordinator", "--listen", "127.0.0.1:0", "--db", str(tmp_path / "a.db"),
+         "--ready-file", str(ready)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 20
+        while not ready.exists():
+            assert first.poll() is None and time.monotonic() < deadline, "the first coordinator did not start"
+            time.sleep(0.05)
+        address = ready.read_text().strip()
+        second = subprocess.run(
+            [sys.executable, "-m", "services.coordinator", "--listen", address, "--db", str(tmp_path / "b.db")],
+            capture_output=True, text=True, timeout=30,
+        )  # fmt: skip
+        assert second.returncode == 1, second.stderr
+        last = second.stderr.strip().splitlines()[-1]  # after the log lines, one line says why
+        assert last.startswith(f"python -m services.coordinator: cannot listen on {address}"), second.stderr
+        node = subprocess.run(
+            [sys.executable, "-m", "services.node", "--id", "n1", "--listen", address, "--coordinator", address,
+             "--data-dir", str(tmp_path / "n1")],
+            capture_output=True, text=True, timeout=30,
+        )  # fmt: skip
+        assert node.returncode == 1 and f"cannot listen on {address}" in node.stderr, node.stderr
+    finally:
+        first.terminate()
+        first.wait(10)

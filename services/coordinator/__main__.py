@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None, *, prog: str = "python -m services.coord
                 max_queues_per_vhost=args.max_queues_per_vhost,
             )
         )
-    except StoreUnavailable as exc:
+    except (StoreUnavailable, OSError) as exc:
         print(f"{parser.prog}: {exc}", file=sys.stderr)
         sys.exit(1)
 

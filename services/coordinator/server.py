@@ -41,7 +41,8 @@ from services.coordinator.sqlite_store import SqliteStore
 from services.coordinator.store import MAX_KEY_LENGTH, Store, StoreUnavailable
 from services.coordinator.watch import ChangeFeed, Resync
 from services.passwords import hash_password
-from services.request_guard import STREAM_LIMIT_OPTION, RequestGuard
+from services.request_guard import SERVER_OPTIONS as GUARDED_SERVER_OPTIONS
+from services.request_guard import RequestGuard
 from services.tls import ClusterTLS, member_problem
 
 log = logging.getLogger(__name__)
@@ -241,7 +242,7 @@ async def create_server(
     and this coordinator's registration (so cluster_status lists it).
     """
     server = grpc.aio.server(
-        options=[*SERVER_KEEPALIVE, STREAM_LIMIT_OPTION], interceptors=[RequestGuard(admit=member_problem)]
+        options=[*SERVER_KEEPALIVE, *GUARDED_SERVER_OPTIONS], interceptors=[RequestGuard(admit=member_problem)]
     )
     user, password = default_user
     if await asyncio.to_thread(access_records.seed, store, hash_password, user, password):
@@ -253,10 +254,13 @@ async def create_server(
     servicer = CoordinatorServicer(store, feed, liveness_ms, passes, max_queues_per_vhost)
     coordinator_pb2_grpc.add_CoordinatorServiceServicer_to_server(servicer, server)
     await _add_health_service(server)
-    if tls is None:
-        port = server.add_insecure_port(address)
-    else:
-        port = server.add_secure_port(address, tls.cluster_server_credentials())
+    try:
+        if tls is None:
+            port = server.add_insecure_port(address)
+        else:
+            port = server.add_secure_port(address, tls.cluster_server_credentials())
+    except RuntimeError as error:  # grpc's way of saying the port is taken
+        raise OSError(f"cannot listen on {address}: {error}") from None
     await server.start()
     advertised = f"{address.rsplit(':', 1)[0]}:{port}"
     _background.add(asyncio.ensure_future(_register_coordinator(store, advertised, liveness_ms)))
