@@ -109,6 +109,9 @@ SLOW_JOIN_NOTE_SECONDS = 5.0
 # least one payload), so one flush of many large payloads becomes several events.
 MAX_DELIVERY_EVENT_BYTES = 4 * 1024 * 1024
 JOIN_ATTEMPTS = 5
+# How long a starting node waits for an answer at the address its id was registered at (a twin there
+# answers at once; a node that crashed does not answer at all).
+TWIN_PROBE_SECONDS = 2.0
 # How long a client's call (a declare, an administration call...) waits for the coordinator to answer
 # or to be able to: then the client gets the coordinator's last status (e.g. UNAVAILABLE: no node can
 # take the queue) rather than a call that hangs.
@@ -195,6 +198,7 @@ class Node:
     # -------------------------------------------------------------- lifecycle
 
     async def start(self) -> None:
+        await self._refuse_a_twin()
         await self.coordinator.register_node(self.id, self.address, self.cluster_address)
         self._detector = asyncio.ensure_future(self._detect_failures())
         await self.disk.measure()  # so the first heartbeat reports the disk
@@ -203,6 +207,16 @@ class Node:
         self._tasks.add(asyncio.ensure_future(self.memory.run()))
         self._tasks.add(asyncio.ensure_future(self._heartbeat()))
         self._tasks.add(asyncio.ensure_future(self._watch_groups()))
+
+    async def _refuse_a_twin(self) -> None:
+        """OSError if another process runs as this node id (at the address the coordinator has for it):
+        registering would take its identity, and its ring members would be recorded dead."""
+        known = dict(await self.coordinator.list_nodes()).get(self.id)
+        own = self.cluster_address or self.address
+        if known and known != own and await self.links.running_elsewhere(known, TWIN_PROBE_SECONDS):
+            raise OSError(
+                f"node id {self.id!r} is already running at {known}: stop it first, or give this node another id"
+            )
 
     async def _watch_groups(self) -> None:
         """Hand every new view of a group this node hosts to its member at once, so a

@@ -255,6 +255,31 @@ class LinkManager:
         finally:
             link.dialing = False
 
+    async def running_elsewhere(self, address: str, timeout: float) -> bool:
+        """Whether another process runs as this node at `address` (it refuses our Hello as its own with
+        another incarnation); False if nothing answers there in `timeout` s, or another node does."""
+        channel = self.dialer.to_node(self.node, address, self.options)
+        try:
+            call: Any = peer_pb2_grpc.PeerServiceStub(channel).Link()
+            hello = frame(hello=peer_pb2.Hello(node=self.node, incarnation=self.incarnation))
+            try:
+                await asyncio.wait_for(_write_then_read(call, hello), timeout)
+                return False  # another node answered with its Hello
+            except (grpc.aio.AioRpcError, asyncio.InvalidStateError, TimeoutError):
+                pass
+            call.cancel()
+            code = await call.code()
+            details = await call.details() or ""
+            return (
+                code == grpc.StatusCode.INVALID_ARGUMENT
+                and "cannot link to itself" in details
+                and self.incarnation not in details
+            )
+        except (grpc.aio.AioRpcError, TimeoutError):
+            return False
+        finally:
+            await channel.close(None)
+
     async def _dial(self, link: _Link, address: str) -> None:
         if link.active:  # the peer's dial was accepted while we looked its address up
             return
@@ -303,7 +328,11 @@ class LinkManager:
                 f"not {hello.node!r}",
             )
         if hello.node == self.node:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a node cannot link to itself")
+            # The incarnation tells a node probing for a twin (services/node.py) whether it reached itself.
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"a node cannot link to itself (node {self.node}, incarnation {self.incarnation})",
+            )
         link = self._link(hello.node)
         pending = link.hello_pending_since
         if (
