@@ -214,9 +214,7 @@ class Node:
         known = dict(await self.coordinator.list_nodes()).get(self.id)
         own = self.cluster_address or self.address
         if known and known != own and await self.links.running_elsewhere(known, TWIN_PROBE_SECONDS):
-            raise OSError(
-                f"node id {self.id!r} is already running at {known}: stop it first, or give this node another id"
-            )
+            raise OSError(f"node id {self.id!r} is already running at {known}: stop it first, or pick another id")
 
     async def _watch_groups(self) -> None:
         """Hand every new view of a group this node hosts to its member at once, so a
@@ -676,7 +674,13 @@ async def serve(
         await access.load()  # before any client is served, so none is refused for want of the table
         background = asyncio.ensure_future(access.run())
     await client_server.start()
-    await node.start()
+    try:
+        await node.start()
+    except OSError:  # e.g. another process runs as this node id: stop serving before saying so
+        await client_server.stop(None)
+        if cluster_server is not client_server:
+            await cluster_server.stop(None)
+        raise
     await queues.start()
     if ready_file:
         tmp = f"{ready_file}.tmp"

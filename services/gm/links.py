@@ -260,7 +260,8 @@ class LinkManager:
         another incarnation); False if nothing answers there in `timeout` s, or another node does."""
         channel = self.dialer.to_node(self.node, address, self.options)
         try:
-            call: Any = peer_pb2_grpc.PeerServiceStub(channel).Link()
+            open_link: Any = peer_pb2_grpc.PeerServiceStub(channel).Link
+            call: Any = open_link()
             hello = frame(hello=peer_pb2.Hello(node=self.node, incarnation=self.incarnation))
             try:
                 await asyncio.wait_for(_write_then_read(call, hello), timeout)
