@@ -48,6 +48,9 @@ RELOAD_PAUSE_SECONDS = 0.2
 # A refusal re-reads the table first, at most this often (a flood of bad credentials costs the
 # coordinator one read per interval, not one per call).
 RELOAD_ON_REFUSAL_SECONDS = 0.25
+# The table is also read this often whatever the watch says: a change made between a read and the
+# start of the watch that follows it (which reports changes from its start on) counts within this long.
+REFRESH_SECONDS = 5.0
 
 
 @dataclass(frozen=True)
@@ -81,7 +84,7 @@ class AccessGuard:
         self.enforced = enforced
         self.table = AccessTable()
         self.checks = PasswordChecks()
-        self._loaded_at = float("-inf")
+        self._refusal_reload_at = float("-inf")
         self._reloading: asyncio.Future[None] | None = None
 
     # ------------------------------------------------------------------ freshness
@@ -95,20 +98,36 @@ class AccessGuard:
             response.vhosts,
             [Permission(p.user, p.vhost, p.configure, p.write, p.read) for p in response.permissions],
         )
-        self._loaded_at = time.monotonic()
 
     async def _reload_before_refusing(self) -> None:
-        """Read the table again unless it was read within RELOAD_ON_REFUSAL_SECONDS (one read at a time,
-        shared); a coordinator that cannot be reached leaves the table as it was."""
-        if self.coordinator is None or time.monotonic() - self._loaded_at < RELOAD_ON_REFUSAL_SECONDS:
+        """Read the table again, unless a refusal made it read within RELOAD_ON_REFUSAL_SECONDS (one read at
+        a time, shared); a coordinator that cannot be reached leaves the table as it was."""
+        if self.coordinator is None:
             return
         if self._reloading is None or self._reloading.done():
+            if time.monotonic() - self._refusal_reload_at < RELOAD_ON_REFUSAL_SECONDS:
+                return
+            self._refusal_reload_at = time.monotonic()
             self._reloading = asyncio.ensure_future(self.load())
         with contextlib.suppress(grpc.aio.AioRpcError):
             await asyncio.shield(self._reloading)
 
     async def run(self) -> None:
-        """Reload after every change the coordinator reports, for as long as the node runs."""
+        """Reload after every change the coordinator reports, and every REFRESH_SECONDS, for as long as
+        the node runs."""
+        refresher = asyncio.ensure_future(self._refresh())
+        try:
+            await self._follow()
+        finally:
+            refresher.cancel()
+
+    async def _refresh(self) -> None:
+        while True:
+            await asyncio.sleep(REFRESH_SECONDS)
+            with contextlib.suppress(grpc.aio.AioRpcError):
+                await self.load()
+
+    async def _follow(self) -> None:
         assert self.coordinator is not None
         revision = 0
         while True:

@@ -179,11 +179,10 @@ def test_a_user_created_or_granted_through_another_node_is_not_refused_while_the
 
     async def scenario() -> None:
         guard = AccessGuard(coordinator, enforced=True)  # type: ignore[arg-type]
-        await guard.load()
-        guard._loaded_at = float("-inf")  # the table is old: a refusal may re-read it
+        await guard.load()  # just read, as at a node's start: the refusal re-reads it all the same
         principal = await guard.principal(_Call("alice", "pw"))
         assert principal == Principal("alice")
-        guard._loaded_at = float("-inf")
+        guard._refusal_reload_at = float("-inf")  # a while later
         await guard.permit(principal, "/", Operation.WRITE, "orders")
         # A wrong password is still refused, and re-reads at most once per interval.
         reads = coordinator.reads
