@@ -12,7 +12,8 @@ from typing import Any
 
 import ringq
 from ringq import aio
-from services import cluster
+from ringq.security import TLS, Credentials
+from services import certs, cluster
 
 # Fast failure detection, so failovers in tests take a second rather than the default several.
 NODE_ARGS = ["--failure-timeout-ms", "600", "--heartbeat-interval-ms", "100", "--grace-ms", "100"]
@@ -22,6 +23,13 @@ HA_ALL: Mapping[str, tuple[str, Mapping[str, Any]]] = {
     "ha": ("^ha\\.", {"ha-mode": "all", "ha-sync-mode": "automatic"})
 }
 LIVE_WITHIN_SECONDS = 20.0
+# The user a cluster starts with, accepted from loopback only (what tests on a TLS cluster act as).
+GUEST = Credentials("guest", "guest")
+
+
+def client_tls(info: cluster.ClusterInfo) -> TLS:
+    """What a client of a cluster started with `tls=True` trusts: the CA in its directory."""
+    return TLS(ca=certs.ca_paths(info.tls_dir).certificate)
 
 
 def await_every_node_live(info: cluster.ClusterInfo) -> None:

@@ -19,15 +19,14 @@ import grpc
 import pytest
 
 from ringq import aio
-from ringq.security import TLS, Credentials
+from ringq.security import Credentials
 from ringq.v1 import admin_pb2_grpc, cluster_pb2
 from services import certs, cluster
-from tests.clusters import NODE_ARGS
+from tests.clusters import GUEST, NODE_ARGS, client_tls
 
 pytestmark = pytest.mark.integration
 
 WAIT = 15.0
-GUEST = Credentials("guest", "guest")
 ALICE = Credentials("alice", "alice-secret")
 MALLORY = Credentials("mallory", "mallory-secret")
 BOB = Credentials("bob", "bob-secret")
@@ -44,17 +43,18 @@ def secure(tmp_path_factory: pytest.TempPathFactory) -> Iterator[cluster.Cluster
         cluster.down(directory)
 
 
-def _tls(info: cluster.ClusterInfo) -> TLS:
-    return TLS(ca=certs.ca_paths(info.tls_dir).certificate)
-
-
 def _admin(info: cluster.ClusterInfo, credentials: Credentials | None) -> aio.Admin:
-    return aio.Admin(info.node_addresses, tls=_tls(info), credentials=credentials, timeout=WAIT)
+    return aio.Admin(info.node_addresses, tls=client_tls(info), credentials=credentials, timeout=WAIT)
 
 
 def _connection(info: cluster.ClusterInfo, credentials: Credentials | None, *, vhost: str = "/") -> aio.Connection:
     return aio.Connection(
-        info.node_addresses, tls=_tls(info), credentials=credentials, vhost=vhost, retry_for=3.0, call_timeout=WAIT
+        info.node_addresses,
+        tls=client_tls(info),
+        credentials=credentials,
+        vhost=vhost,
+        retry_for=3.0,
+        call_timeout=WAIT,
     )
 
 
@@ -186,7 +186,7 @@ def test_permission_changes_reach_every_node(secure: cluster.ClusterInfo) -> Non
         async with _admin(secure, GUEST) as admin:
             await admin.clear_permissions("alice")
         for node in secure.nodes:
-            connection = aio.Connection(node.address, tls=_tls(secure), credentials=ALICE, retry_for=0.5)
+            connection = aio.Connection(node.address, tls=client_tls(secure), credentials=ALICE, retry_for=0.5)
 
             async def refused(connection: aio.Connection = connection) -> bool:
                 try:

@@ -21,12 +21,11 @@ import pytest
 from ringq import aio
 from ringq.group import GroupMembership
 from ringq.internal.v1 import coordinator_pb2, coordinator_pb2_grpc, peer_pb2, peer_pb2_grpc
-from ringq.security import TLS, Credentials
 from ringq.v1 import queue_pb2, queue_pb2_grpc
 from services import certs, cluster
 from services.gm.links import PROTOCOL_MAJOR
 from services.tls import ClusterTLS, Dialer
-from tests.clusters import NODE_ARGS
+from tests.clusters import GUEST, NODE_ARGS, client_tls
 
 pytestmark = pytest.mark.integration
 
@@ -50,27 +49,20 @@ def _member(info: cluster.ClusterInfo, node: str) -> ClusterTLS:
     return certs.load_node(info.tls_dir, node)
 
 
-def _client_tls(info: cluster.ClusterInfo) -> TLS:
-    return TLS(ca=certs.ca_paths(info.tls_dir).certificate)
-
-
-GUEST = Credentials("guest", "guest")  # the default user, accepted from loopback
-
-
 def _coordinator(info: cluster.ClusterInfo, as_node: str = "node3") -> grpc.aio.Channel:
     return Dialer(_member(info, as_node)).to_coordinator(info.coordinator.address)
 
 
 async def _prepare(info: cluster.ClusterInfo) -> None:
     """Mirror ha.* on every node (ringq's Admin, over TLS to a node) and wait until every node is live."""
-    async with aio.Admin(info.node_addresses, tls=_client_tls(info), credentials=GUEST, timeout=WAIT) as admin:
+    async with aio.Admin(info.node_addresses, tls=client_tls(info), credentials=GUEST, timeout=WAIT) as admin:
         await admin.set_policy("ha", "^ha\\.", {"ha-mode": "all", "ha-sync-mode": "automatic"})
         deadline = time.monotonic() + WAIT
         while sum(node.alive for node in (await admin.cluster_status()).nodes) < 3:
             assert time.monotonic() < deadline, "not every node was live"
             await asyncio.sleep(0.05)
     addresses = [node.address for node in info.nodes]
-    async with aio.Connection(addresses, tls=_client_tls(info), credentials=GUEST, retry_for=WAIT) as connection:
+    async with aio.Connection(addresses, tls=client_tls(info), credentials=GUEST, retry_for=WAIT) as connection:
         await connection.declare_queue(QUEUE, durable=True)
         deadline = time.monotonic() + WAIT
         while len((await connection.queue_status(QUEUE)).synchronised_mirrors) < 2:
@@ -136,7 +128,7 @@ def _log_since(process: cluster.ProcessInfo, offset: int) -> str:
 def test_confirmed_messages_flow_over_tls_and_plaintext_clients_are_refused(secure: cluster.ClusterInfo) -> None:
     async def scenario() -> None:
         addresses = [node.address for node in secure.nodes]
-        async with aio.Connection(addresses, tls=_client_tls(secure), credentials=GUEST, retry_for=WAIT) as connection:
+        async with aio.Connection(addresses, tls=client_tls(secure), credentials=GUEST, retry_for=WAIT) as connection:
             producer = connection.producer(QUEUE, persistent=True)
             outcomes = await producer.publish_many([f"m{k:03d}".encode() for k in range(MESSAGES)])
             assert all(outcome is aio.Outcome.CONFIRMED for outcome in outcomes), set(outcomes)
@@ -271,12 +263,12 @@ def test_an_application_cannot_join_a_queues_group(secure: cluster.ClusterInfo) 
         group, _ = await _queue_members(secure)
         with pytest.raises(grpc.aio.AioRpcError) as refused:
             await GroupMembership.join(
-                secure.nodes[0].address, group, timeout=WAIT, tls=_client_tls(secure), credentials=GUEST
+                secure.nodes[0].address, group, timeout=WAIT, tls=client_tls(secure), credentials=GUEST
             )
         assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED
         # Application groups work over TLS.
         member = await GroupMembership.join(
-            secure.nodes[0].address, "app.identity", timeout=WAIT, tls=_client_tls(secure), credentials=GUEST
+            secure.nodes[0].address, "app.identity", timeout=WAIT, tls=client_tls(secure), credentials=GUEST
         )
         assert await member.broadcast([b"hello"], confirmed=True) == (1, 1)
         await member.close()
@@ -287,7 +279,7 @@ def test_an_application_cannot_join_a_queues_group(secure: cluster.ClusterInfo) 
 def test_the_queue_is_intact_after_the_attacks(secure: cluster.ClusterInfo) -> None:
     async def scenario() -> None:
         addresses = [node.address for node in secure.nodes]
-        async with aio.Connection(addresses, tls=_client_tls(secure), credentials=GUEST, retry_for=WAIT) as connection:
+        async with aio.Connection(addresses, tls=client_tls(secure), credentials=GUEST, retry_for=WAIT) as connection:
             bodies = []
             consumer = connection.consumer(QUEUE, prefetch=50)
             async for delivery in consumer:
