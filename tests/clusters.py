@@ -32,9 +32,14 @@ def client_tls(info: cluster.ClusterInfo) -> TLS:
     return TLS(ca=certs.ca_paths(info.tls_dir).certificate)
 
 
+def access(info: cluster.ClusterInfo) -> dict[str, Any]:
+    """The SDK's `tls` and `credentials` arguments for a client of `info` (none for a plaintext cluster)."""
+    return {"tls": client_tls(info), "credentials": GUEST} if info.tls else {}
+
+
 def await_every_node_live(info: cluster.ClusterInfo) -> None:
     """Return once the coordinator counts every node of `info` live (so placement sees them all)."""
-    with ringq.Admin(info.node_addresses) as admin:
+    with ringq.Admin(info.node_addresses, **access(info)) as admin:
         deadline = time.monotonic() + LIVE_WITHIN_SECONDS
         while sum(node.alive for node in admin.cluster_status().nodes) < len(info.nodes):
             assert time.monotonic() < deadline, f"not every node was live within {LIVE_WITHIN_SECONDS:g} s"
@@ -43,7 +48,7 @@ def await_every_node_live(info: cluster.ClusterInfo) -> None:
 
 async def every_node_live(info: cluster.ClusterInfo) -> None:
     """Return once the coordinator counts every node of `info` live (so placement sees them all)."""
-    async with aio.Admin(info.node_addresses) as admin:
+    async with aio.Admin(info.node_addresses, **access(info)) as admin:
         deadline = time.monotonic() + LIVE_WITHIN_SECONDS
         while sum(node.alive for node in (await admin.cluster_status()).nodes) < len(info.nodes):
             assert time.monotonic() < deadline, f"not every node was live within {LIVE_WITHIN_SECONDS:g} s"
@@ -56,12 +61,14 @@ def live_cluster(
     policies: Mapping[str, tuple[str, Mapping[str, Any]]] = HA_ALL,
     nodes: int = 3,
     node_args: Sequence[str] = NODE_ARGS,
+    tls: bool = False,
 ) -> Iterator[cluster.ClusterInfo]:
-    """`nodes` nodes and a coordinator in `directory`, with `policies` (name -> (pattern, definition)),
-    each node started with `node_args`; yields once the coordinator counts every node live."""
-    info = cluster.up(nodes, directory, node_args=node_args)
+    """`nodes` nodes and a coordinator in `directory` (with mutual TLS and users if `tls`), with `policies`
+    (name -> (pattern, definition)), each node started with `node_args`; yields once the coordinator counts
+    every node live."""
+    info = cluster.up(nodes, directory, node_args=node_args, tls=tls)
     try:
-        with ringq.Admin(info.node_addresses) as admin:
+        with ringq.Admin(info.node_addresses, **access(info)) as admin:
             for name, (pattern, definition) in policies.items():
                 admin.set_policy(name, pattern, definition)
         await_every_node_live(info)

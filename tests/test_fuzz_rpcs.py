@@ -24,8 +24,9 @@ from google.protobuf import message_factory
 
 from ringq.internal.v1 import coordinator_pb2, peer_pb2
 from ringq.v1 import admin_pb2, group_pb2, queue_pb2
-from services import cluster
-from tests.clusters import live_cluster
+from services import certs, cluster
+from services.tls import Dialer
+from tests.clusters import GUEST, live_cluster
 
 pytestmark = pytest.mark.integration
 SEED = 20261124
@@ -42,6 +43,7 @@ DOCUMENTED = {
     grpc.StatusCode.OUT_OF_RANGE,
     grpc.StatusCode.RESOURCE_EXHAUSTED,
     grpc.StatusCode.PERMISSION_DENIED,  # e.g. an application joining a queue's group
+    grpc.StatusCode.UNAUTHENTICATED,  # with TLS: credentials that name nobody
     grpc.StatusCode.UNAVAILABLE,
     grpc.StatusCode.DEADLINE_EXCEEDED,  # a stream the fuzzer stops waiting for
     grpc.StatusCode.CANCELLED,  # a stream the fuzzer cancels
@@ -53,7 +55,7 @@ CLIENT_WRITE_RACE = "Internal error from Core"
 SERVICES = [
     ("node", queue_pb2.DESCRIPTOR.services_by_name["QueueService"]),
     ("node", group_pb2.DESCRIPTOR.services_by_name["GroupService"]),
-    ("node", peer_pb2.DESCRIPTOR.services_by_name["PeerService"]),
+    ("cluster", peer_pb2.DESCRIPTOR.services_by_name["PeerService"]),
     ("node", admin_pb2.DESCRIPTOR.services_by_name["AdminService"]),
     ("coordinator", coordinator_pb2.DESCRIPTOR.services_by_name["CoordinatorService"]),
 ]
@@ -181,35 +183,72 @@ def _rss_kib(pid: int) -> int:
     raise AssertionError(f"no VmRSS for {pid}")
 
 
-@pytest.fixture(scope="module")
-def target(tmp_path_factory: pytest.TempPathFactory) -> Iterator[cluster.ClusterInfo]:
-    with live_cluster(tmp_path_factory.mktemp("fuzz") / "cluster", {}, nodes=1) as info:
+@pytest.fixture(scope="module", params=["plaintext", "tls"])
+def target(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> Iterator[cluster.ClusterInfo]:
+    """A one-node cluster, plaintext or with TLS and authentication on (every call then fuzzed as guest on the
+    client port, and as node9, a member of the cluster CA that runs no node, on the internal ports)."""
+    with live_cluster(tmp_path_factory.mktemp("fuzz") / "cluster", {}, nodes=1, tls=request.param == "tls") as info:
         yield info
+
+
+class _AsGuest(grpc.AuthMetadataPlugin):
+    def __call__(self, context: grpc.AuthMetadataContext, callback: grpc.AuthMetadataPluginCallback) -> None:
+        callback(GUEST.metadata(), None)
+
+
+async def _channels(target: cluster.ClusterInfo) -> dict[str, grpc.aio.Channel]:
+    """A channel for each role of SERVICES: the node's client port, its cluster port, the coordinator."""
+    node = target.nodes[0]
+    if not target.tls:
+        return {role: grpc.aio.insecure_channel(node.address) for role in ("node", "cluster")} | {
+            "coordinator": grpc.aio.insecure_channel(target.coordinator.address)
+        }
+    ca = certs.ca_paths(target.tls_dir).certificate.read_bytes()
+    as_guest = grpc.metadata_call_credentials(_AsGuest())  # every call authenticated as guest
+    client = grpc.composite_channel_credentials(grpc.ssl_channel_credentials(ca), as_guest)
+    certs.issue_node(target.tls_dir, "node9")
+    member = Dialer(certs.load_node(target.tls_dir, "node9"))
+    coordinator = member.to_coordinator(target.coordinator.address)
+    listed = await coordinator.unary_unary(
+        "/ringq.internal.v1.CoordinatorService/ListNodes",
+        coordinator_pb2.ListNodesRequest.SerializeToString,
+        coordinator_pb2.ListNodesResponse.FromString,
+    )(coordinator_pb2.ListNodesRequest(), timeout=10)
+    (record,) = listed.nodes
+    return {
+        "node": grpc.aio.secure_channel(node.address, client),
+        "cluster": member.to_node(node.name, record.cluster_address),
+        "coordinator": coordinator,
+    }
 
 
 def test_random_and_mutated_requests_to_every_rpc_get_documented_statuses(target: cluster.ClusterInfo) -> None:
     rng = random.Random(SEED)
     node = target.nodes[0]
-    addresses = {"node": node.address, "coordinator": target.coordinator.address}
     rss_before = _rss_kib(node.pid)
 
-    async def scenario() -> list[str]:
+    async def scenario() -> tuple[list[str], dict[str, set[grpc.StatusCode]]]:
         undocumented: list[str] = []
-        channels = {role: grpc.aio.insecure_channel(address) for role, address in addresses.items()}
+        answered: dict[str, set[grpc.StatusCode]] = {}
+        channels = await _channels(target)
         try:
             for role, service in SERVICES:
                 for method in service.methods:
                     for attempt in range(CALLS_PER_METHOD):
                         requests = [_request_bytes(rng, method.input_type) for _ in range(rng.randint(1, 4))]
                         code = await _call(channels[role], service.full_name, method, requests)
+                        answered.setdefault(role, set()).add(code)
                         if code not in DOCUMENTED:
                             undocumented.append(f"{service.name}.{method.name} #{attempt}: {code.name}")
         finally:
             for channel in channels.values():
                 await channel.close(None)
-        return undocumented
+        return undocumented, answered
 
-    undocumented = asyncio.run(scenario())
+    undocumented, answered = asyncio.run(scenario())
+    no_answer = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED}
+    for role, codes in answered.items():  # the servers were reached (a failed TLS handshake answers nothing)
+        assert codes - no_answer, f"{role}: no call was answered: {sorted(c.name for c in codes)}"
     assert not undocumented, f"{len(undocumented)} undocumented statuses, e.g. {undocumented[:10]}"
     for process in target.processes:
         log = (target.logs / f"{process.name}.log").read_text(errors="replace")
