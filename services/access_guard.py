@@ -39,6 +39,7 @@ from services.access import AccessTable, Operation, Permission, User
 from services.coordinator.access_records import KINDS
 from services.coordinator.client import CoordinatorClient
 from services.passwords import PasswordChecks
+from services.request_guard import Refused
 from services.tls import caller
 
 log = logging.getLogger("ringq.access")
@@ -65,15 +66,6 @@ class Principal:
 
 
 UNRESTRICTED = Principal(None)
-
-
-class Refusal(Exception):
-    """A call that may not be made: the status and the reason."""
-
-    def __init__(self, code: grpc.StatusCode, details: str) -> None:
-        super().__init__(details)
-        self.code = code
-        self.details = details
 
 
 class AccessGuard:
@@ -146,7 +138,7 @@ class AccessGuard:
     # ------------------------------------------------------------------ decisions
 
     async def principal(self, context: Any) -> Principal:
-        """Who makes this call; Refusal (UNAUTHENTICATED) if a client cannot say who it is."""
+        """Who makes this call; Refused (UNAUTHENTICATED) if a client cannot say who it is."""
         if not self.enforced:
             return UNRESTRICTED
         identity = caller(context)
@@ -159,7 +151,7 @@ class AccessGuard:
             await self._reload_before_refusing()  # the user or password may be new
             problem = await self._login_problem(context, user, password)
         if problem is not None:
-            raise Refusal(grpc.StatusCode.UNAUTHENTICATED, problem)
+            raise Refused(grpc.StatusCode.UNAUTHENTICATED, problem)
         return Principal(user)
 
     async def _login_problem(self, context: Any, user: str, password: str) -> str | None:
@@ -169,13 +161,13 @@ class AccessGuard:
         return problem
 
     async def permit(self, principal: Principal, vhost: str, operation: Operation, name: str) -> None:
-        """Refusal (PERMISSION_DENIED) unless `principal` may `operation` `name` in `vhost`."""
+        """Refused (PERMISSION_DENIED) unless `principal` may `operation` `name` in `vhost`."""
         user = principal.user
         if user is not None:
             await self._refuse_unless(lambda: self.table.permission_problem(user, vhost, operation, name))
 
     async def permit_tags(self, principal: Principal, needed: frozenset[str], what: str) -> None:
-        """Refusal (PERMISSION_DENIED) unless `principal` has one of the tags `needed`."""
+        """Refused (PERMISSION_DENIED) unless `principal` has one of the tags `needed`."""
         user = principal.user
         if user is not None:
             await self._refuse_unless(lambda: self.table.tag_problem(user, needed, what))
@@ -186,14 +178,14 @@ class AccessGuard:
         await self._reload_before_refusing()  # a permission or tag may just have been granted
         problem = problem_now()
         if problem is not None:
-            raise Refusal(grpc.StatusCode.PERMISSION_DENIED, problem)
+            raise Refused(grpc.StatusCode.PERMISSION_DENIED, problem)
 
     async def allow(self, context: Any, vhost: str, operation: Operation, name: str) -> Principal:
         """The call's principal, once it may `operation` `name` in `vhost`; aborts the call otherwise."""
         try:
             principal = await self.principal(context)
             await self.permit(principal, vhost, operation, name)
-        except Refusal as refusal:
+        except Refused as refusal:
             await context.abort(refusal.code, refusal.details)
         return principal
 
@@ -201,7 +193,7 @@ class AccessGuard:
         try:
             principal = await self.principal(context)
             await self.permit_tags(principal, needed, what)
-        except Refusal as refusal:
+        except Refused as refusal:
             await context.abort(refusal.code, refusal.details)
         return principal
 
@@ -226,16 +218,16 @@ def _metadata(context: Any, key: str) -> str | None:
 def _basic_credentials(context: Any) -> tuple[str, str]:
     header = _metadata(context, "authorization")
     if header is None or not header.lower().startswith("basic "):
-        raise Refusal(
+        raise Refused(
             grpc.StatusCode.UNAUTHENTICATED,
             "credentials needed: send 'authorization: Basic base64(user:password)' metadata",
         )
     try:
         user, separator, password = base64.b64decode(header[6:].strip(), validate=True).decode().partition(":")
     except (binascii.Error, UnicodeDecodeError):
-        raise Refusal(grpc.StatusCode.UNAUTHENTICATED, "malformed Basic credentials") from None
+        raise Refused(grpc.StatusCode.UNAUTHENTICATED, "malformed Basic credentials") from None
     if not separator or not user:
-        raise Refusal(grpc.StatusCode.UNAUTHENTICATED, "malformed Basic credentials: expected user:password")
+        raise Refused(grpc.StatusCode.UNAUTHENTICATED, "malformed Basic credentials: expected user:password")
     return user, password
 
 

@@ -36,6 +36,15 @@ SERVER_OPTIONS = [STREAM_LIMIT_OPTION, EXCLUSIVE_PORT_OPTION]
 _MAX_HOSTS_REMEMBERED = 1024
 
 
+class Refused(Exception):
+    """A request to answer with `code` and `details`, raised where there is no servicer context to abort."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(details)
+        self.code = code
+        self.details = details
+
+
 @dataclass(frozen=True)
 class _Malformed:
     """What a request that failed to parse turns into: never handed to a handler."""

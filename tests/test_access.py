@@ -11,11 +11,12 @@ import grpc
 import pytest
 
 from services.access import AccessTable, Operation, Permission, User, pattern_problem, tags_problem
-from services.access_guard import Principal, Refusal, _basic_credentials, _from_loopback, scoped_publisher
+from services.access_guard import Principal, _basic_credentials, _from_loopback, scoped_publisher
 from services.coordinator import access_records
 from services.coordinator.metadata import NotFound, QueueRecord, declare_queue
 from services.coordinator.sqlite_store import SqliteStore
 from services.passwords import PasswordChecks, hash_password, matches, password_problem
+from services.request_guard import Refused
 
 TABLE = AccessTable.of(
     [User("guest", "h", frozenset({"administrator"})), User("alice", "h"), User("bob", "h", frozenset({"monitoring"}))],
@@ -69,7 +70,7 @@ def test_peers_and_credentials() -> None:
         [("authorization", "Basic !!!")],
         [("authorization", "Basic eA==")],
     ):
-        with pytest.raises(Refusal) as refused:
+        with pytest.raises(Refused) as refused:
             _basic_credentials(Context(bad))
         assert refused.value.code == grpc.StatusCode.UNAUTHENTICATED
     assert scoped_publisher(Principal("alice"), "p") == "alice\x1fp"
@@ -187,7 +188,7 @@ def test_a_user_created_or_granted_through_another_node_is_not_refused_while_the
         # A wrong password is still refused, and re-reads at most once per interval.
         reads = coordinator.reads
         for _ in range(5):
-            with pytest.raises(Refusal) as refused:
+            with pytest.raises(Refused) as refused:
                 await guard.principal(_Call("alice", "wrong"))
             assert refused.value.code == grpc.StatusCode.UNAUTHENTICATED
         assert coordinator.reads - reads <= 1

@@ -33,7 +33,7 @@ from ringq.names import name_problem
 from ringq.security import with_metadata
 from ringq.v1 import queue_pb2, queue_pb2_grpc
 from services.access import Operation
-from services.access_guard import OPEN, AccessGuard, Refusal, scoped_publisher
+from services.access_guard import OPEN, AccessGuard, scoped_publisher
 from services.coordinator.client import CoordinatorClient
 from services.coordinator.metadata import QueueRecord
 from services.coordinator.policies import MAX_TTL_MS
@@ -41,6 +41,7 @@ from services.queue.manager import QueueManager
 from services.queue.master import Delivery, PublishOutcome, QueueError, Settlement
 from services.queue.master import Publish as Outgoing
 from services.queue.replica import QueueReplica
+from services.request_guard import Refused
 
 MAX_BODY_BYTES = 16 * 1024 * 1024
 # One PublishRequest carries at most this many messages (a batch; larger ones are several requests),
@@ -357,8 +358,8 @@ class QueueServicer(queue_pb2_grpc.QueueServiceServicer):
     ) -> AsyncIterator[queue_pb2.PublishResponse]:
         try:
             principal = await self.access.principal(context)
-        except Refusal as refusal:
-            await context.abort(refusal.code, refusal.details)
+        except Refused as refused:
+            await context.abort(refused.code, refused.details)
         pending: asyncio.Queue[asyncio.Future[queue_pb2.PublishResponse] | None] = asyncio.Queue()
         routes: dict[tuple[str, str], tuple[QueueReplica | None, Any]] = {}
         forwarded = _ForwardedStream()
@@ -390,9 +391,6 @@ class QueueServicer(queue_pb2_grpc.QueueServiceServicer):
                         try:
                             await self.access.permit(principal, key[0], Operation.WRITE, key[1])
                             replica, stub, record = await self._find(request.queue)
-                        except Refusal as refusal:
-                            pending.put_nowait(failed(Refused(refusal.code, refusal.details)))
-                            break
                         except Refused as refused:
                             pending.put_nowait(failed(refused))
                             break
@@ -608,15 +606,6 @@ class QueueServicer(queue_pb2_grpc.QueueServiceServicer):
         if delivery is None:
             return queue_pb2.GetResponse(found=False)
         return queue_pb2.GetResponse(found=True, delivery=_delivery(delivery))
-
-
-class Refused(Exception):
-    """A request to answer with `code` and `details` (raised where there is no context)."""
-
-    def __init__(self, code: grpc.StatusCode, details: str) -> None:
-        super().__init__(details)
-        self.code = code
-        self.details = details
 
 
 class _ForwardedStream:
