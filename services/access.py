@@ -19,7 +19,7 @@ import enum
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
-from services.coordinator.policies import MAX_PATTERN_BYTES, compiled_pattern
+from services.coordinator.policies import compiled_pattern
 
 TAGS = ("administrator", "monitoring", "policymaker", "management")
 GUEST = "guest"
@@ -114,14 +114,3 @@ class AccessTable:
 def tags_problem(tags: Iterable[str]) -> str | None:
     unknown = sorted(set(tags) - set(TAGS))
     return f"unknown tags {unknown}: known tags are {', '.join(TAGS)}" if unknown else None
-
-
-def pattern_problem(pattern: str) -> str | None:
-    """Why `pattern` cannot be a permission's regular expression, or None."""
-    if len(pattern.encode()) > MAX_PATTERN_BYTES:
-        return f"a permission pattern must be at most {MAX_PATTERN_BYTES} bytes"
-    try:
-        compiled_pattern(pattern)
-    except Exception as error:  # re2.error
-        return f"not an RE2 regular expression: {error}"
-    return None

@@ -10,10 +10,11 @@ from typing import Any
 import grpc
 import pytest
 
-from services.access import AccessTable, Operation, Permission, User, pattern_problem, tags_problem
+from services.access import AccessTable, Operation, Permission, User, tags_problem
 from services.access_guard import Principal, _basic_credentials, _from_loopback, scoped_publisher
 from services.coordinator import access_records
 from services.coordinator.metadata import NotFound, QueueRecord, declare_queue
+from services.coordinator.policies import pattern_problem
 from services.coordinator.sqlite_store import SqliteStore
 from services.passwords import PasswordChecks, hash_password, matches, password_problem
 from services.request_guard import Refused

@@ -16,9 +16,10 @@ from typing import Any
 from urllib.parse import quote
 
 from ringq.names import check_name
-from services.access import DEFAULT_VHOST, GUEST, Permission, User, pattern_problem, tags_problem
+from services.access import DEFAULT_VHOST, GUEST, Permission, User, tags_problem
 from services.coordinator import metadata
 from services.coordinator.metadata import NotFound, retry_until_set
+from services.coordinator.policies import pattern_problem
 from services.coordinator.store import Store
 
 USER = "user"

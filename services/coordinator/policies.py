@@ -264,14 +264,23 @@ def _check_label(key: str, value: object) -> None:
 def _check_pattern(pattern: object) -> None:
     if not isinstance(pattern, str):
         _fail("pattern", f"must be a string, got {_show(pattern)}")
+    problem = pattern_problem(pattern)
+    if problem is not None:
+        _fail("pattern", problem)
+
+
+def pattern_problem(pattern: str) -> str | None:
+    """Why `pattern` cannot be matched against names (a policy's or a permission's), or None: its size is
+    checked before anything is compiled, then RE2 must accept it."""
     size = len(pattern.encode())
-    if size > MAX_PATTERN_BYTES:  # checked before anything is compiled
-        _fail("pattern", f"must be at most {MAX_PATTERN_BYTES} bytes of UTF-8, got {size}")
+    if size > MAX_PATTERN_BYTES:
+        return f"must be at most {MAX_PATTERN_BYTES} bytes of UTF-8, got {size}"
     try:
         compiled_pattern(pattern)
     except re2.error as error:
         why = error.args[0].decode(errors="replace") if error.args and isinstance(error.args[0], bytes) else error
-        _fail("pattern", f"not a valid RE2 regular expression (no backreferences or lookaround): {why}")
+        return f"not a valid RE2 regular expression (no backreferences or lookaround): {why}"
+    return None
 
 
 @functools.lru_cache(maxsize=MAX_COMPILED_PATTERNS)
