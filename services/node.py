@@ -184,7 +184,8 @@ class Node:
         )
         self.members: dict[str, MemberShell] = {}  # by group
         self._addresses: dict[str, str] = {}
-        self._peer_channels: dict[str, grpc.aio.Channel] = {}
+        # By (node, address): with TLS a channel checks the name of the node it was opened for.
+        self._peer_channels: dict[tuple[str, str], grpc.aio.Channel] = {}
         self._reported: set[tuple[str, str]] = set()
         self._impostor_noted: dict[str, float] = {}
         self._detector: asyncio.Task[None] | None = None
@@ -362,9 +363,9 @@ class Node:
 
     def peer_channel(self, node: str, address: str) -> grpc.aio.Channel:
         """A channel to node `node` at `address` (with TLS, it completes only if `node` answers)."""
-        channel = self._peer_channels.get(address)
+        channel = self._peer_channels.get((node, address))
         if channel is None:
-            channel = self._peer_channels[address] = self.dialer.to_node(
+            channel = self._peer_channels[node, address] = self.dialer.to_node(
                 node, address, peer_channel_options(self.settings.failure_timeout)
             )
         return channel

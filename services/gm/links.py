@@ -145,7 +145,8 @@ class LinkManager:
         self.heartbeat_interval = heartbeat_interval
         self.clock = clock
         self._links: dict[str, _Link] = {}
-        self._channels: dict[str, grpc.aio.Channel] = {}
+        # By (peer, address): with TLS a channel checks the name of the peer it was opened for.
+        self._channels: dict[tuple[str, str], grpc.aio.Channel] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self._closed = False
 
@@ -284,9 +285,9 @@ class LinkManager:
     async def _dial(self, link: _Link, address: str) -> None:
         if link.active:  # the peer's dial was accepted while we looked its address up
             return
-        channel = self._channels.get(address)
+        channel = self._channels.get((link.peer, address))
         if channel is None:
-            channel = self._channels[address] = self.dialer.to_node(link.peer, address, self.options)
+            channel = self._channels[link.peer, address] = self.dialer.to_node(link.peer, address, self.options)
         stub = peer_pb2_grpc.PeerServiceStub(channel)
         # Called without a request iterator: the stream is driven by write()/read().
         open_link: Any = stub.Link

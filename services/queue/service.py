@@ -216,10 +216,8 @@ class QueueServicer(queue_pb2_grpc.QueueServiceServicer):
         self, ref: queue_pb2.QueueRef, context: _Context, operation: Operation
     ) -> tuple[QueueReplica | None, Any, QueueRecord]:
         """The local master or a stub to the master's node (relaying the caller's user), once the caller
-        may `operation` the queue; the call is aborted otherwise."""
-        problem = _ref_problem(ref)
-        if problem:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
+        may `operation` the queue; the call is aborted otherwise. (Names are checked where a queue is looked
+        up, as before: not again on the hot path of a local master.)"""
         principal = await self.access.allow(context, _vhost(ref), operation, ref.queue)
         try:
             replica, stub, record = await self._find(ref)
