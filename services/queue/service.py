@@ -33,7 +33,7 @@ from ringq.names import name_problem
 from ringq.security import with_metadata
 from ringq.v1 import queue_pb2, queue_pb2_grpc
 from services.access import Operation
-from services.access_guard import OPEN, AccessGuard, scoped_publisher
+from services.access_guard import OPEN, AccessGuard, Principal, scoped_publisher
 from services.coordinator.client import CoordinatorClient
 from services.coordinator.metadata import QueueRecord
 from services.coordinator.policies import MAX_TTL_MS
@@ -219,6 +219,12 @@ class QueueServicer(queue_pb2_grpc.QueueServiceServicer):
         may `operation` the queue; the call is aborted otherwise. (Names are checked where a queue is looked
         up, as before: not again on the hot path of a local master.)"""
         principal = await self.access.allow(context, _vhost(ref), operation, ref.queue)
+        return await self._route_for(principal, ref, context)
+
+    async def _route_for(
+        self, principal: Principal, ref: queue_pb2.QueueRef, context: _Context
+    ) -> tuple[QueueReplica | None, Any, QueueRecord]:
+        """`_route` for a caller already authorised."""
         try:
             replica, stub, record = await self._find(ref)
         except Refused as refused:
@@ -273,7 +279,7 @@ class QueueServicer(queue_pb2_grpc.QueueServiceServicer):
         problem = _ref_problem(ref)
         if problem:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
-        await self.access.allow(context, _vhost(ref), Operation.CONFIGURE, ref.queue)
+        principal = await self.access.allow(context, _vhost(ref), Operation.CONFIGURE, ref.queue)
         for key, value in request.arguments.items():
             try:
                 json.loads(value)
@@ -291,7 +297,7 @@ class QueueServicer(queue_pb2_grpc.QueueServiceServicer):
             record = await self.coordinator.declare_queue(declared, preferred_master=self.node_id)
         except grpc.aio.AioRpcError as error:
             await context.abort(error.code(), error.details() or "")
-        replica, stub, record = await self._route(ref, context, Operation.CONFIGURE)
+        replica, stub, record = await self._route_for(principal, ref, context)
         if stub is not None:
             return await self._relay(context, stub.QueueStatus(ref), queue_pb2.QueueInfo)
         assert replica is not None
