@@ -8,6 +8,8 @@ Who makes a call:
   - A client on the client port: the user of its `authorization: Basic base64(user:password)`
     metadata. Missing or wrong credentials are refused with UNAUTHENTICATED. guest is accepted only
     from a loopback address.
+  - A client on the certificate port: the user its certificate (of the cluster CA) names, with no
+    password (RabbitMQ's EXTERNAL mechanism); the user must exist, and guest only from loopback.
   - A node on the cluster port, proven by its certificate: it relays a client's call, naming the
     user it authenticated in `ringq-user` metadata. With no user named, the call is the node's own
     (e.g. dead-lettering) and is not restricted.
@@ -40,7 +42,7 @@ from services.coordinator.access_records import KINDS
 from services.coordinator.client import CoordinatorClient
 from services.passwords import PasswordChecks
 from services.request_guard import Refused
-from services.tls import caller
+from services.tls import caller, certificate_user
 
 log = logging.getLogger("ringq.access")
 
@@ -145,7 +147,10 @@ class AccessGuard:
         if identity is not None:  # a cluster member on the cluster port
             named = _metadata(context, USER_METADATA)
             return Principal(named) if named else UNRESTRICTED
-        user, password = _basic_credentials(context)
+        user = certificate_user(context)
+        password = None  # proven by the certificate
+        if user is None:
+            user, password = _basic_credentials(context)
         problem = await self._login_problem(context, user, password)
         if problem is not None:
             await self._reload_before_refusing()  # the user or password may be new
@@ -154,10 +159,13 @@ class AccessGuard:
             raise Refused(grpc.StatusCode.UNAUTHENTICATED, problem)
         return Principal(user)
 
-    async def _login_problem(self, context: Any, user: str, password: str) -> str | None:
+    async def _login_problem(self, context: Any, user: str, password: str | None) -> str | None:
+        """Why `user` may not log in: with `password`, or (None) proven by a client certificate."""
         problem = self.table.login_problem(user, _from_loopback(context.peer()))
-        if problem is None and not await self.checks.check(user, self.table.users[user].password_hash, password):
-            problem = "unknown user or wrong password"
+        if problem is None and password is not None:
+            password_hash = self.table.users[user].password_hash
+            if not password_hash or not await self.checks.check(user, password_hash, password):
+                problem = "unknown user or wrong password"
         return problem
 
     async def permit(self, principal: Principal, vhost: str, operation: Operation, name: str) -> None:

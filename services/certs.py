@@ -2,7 +2,8 @@
 
 Responsible for: making a CA (kept in DIR/ca.pem and DIR/ca.key) and, signed by it, the certificate
 and key of a node (DIR/node-ID.pem, .key) or of the coordinators (DIR/coordinator.pem, .key), with
-the identity names services/tls.py checks and the host names clients dial. Private keys are written
+the identity names services/tls.py checks and the host names clients dial, or of a user
+(DIR/user-NAME.pem, .key: the user's name as common name, no member identity, client use only). Private keys are written
 with mode 0600 and never overwritten; an existing CA is reused, so certificates made later join the
 same cluster. Production clusters may use their own PKI instead: docs/security.md says what a
 certificate must carry.
@@ -11,6 +12,7 @@ certificate must carry.
 from __future__ import annotations
 
 import datetime
+import hashlib
 import ipaddress
 import os
 from collections.abc import Iterable, Sequence
@@ -43,6 +45,12 @@ def ca_paths(directory: Path) -> Issued:
 
 def node_paths(directory: Path, node_id: str) -> Issued:
     return Issued(directory / f"node-{node_id}.pem", directory / f"node-{node_id}.key")
+
+
+def user_paths(directory: Path, user: str) -> Issued:
+    """Where a user's certificate goes; the file name is a digest when the user name is not a safe one."""
+    stem = user if user.isascii() and user.replace("-", "").replace("_", "").isalnum() else _digest(user)
+    return Issued(directory / f"user-{stem}.pem", directory / f"user-{stem}.key")
 
 
 def coordinator_paths(directory: Path) -> Issued:
@@ -102,6 +110,12 @@ def issue_coordinator(directory: Path | str, hosts: Sequence[str] = DEFAULT_HOST
     return _issue(directory, coordinator_paths(directory), "ringq coordinator", [COORDINATOR_NAME], hosts)
 
 
+def issue_user(directory: Path | str, user: str) -> Issued:
+    """A client certificate that authenticates as `user` on a node's certificate port (made if missing)."""
+    directory = Path(directory)
+    return _issue(directory, user_paths(directory, user), user, [], [], server=False)
+
+
 def cluster_material(directory: Path | str, node_ids: Iterable[str]) -> None:
     """A CA, the coordinators' certificate and one per node in `directory` (what exists is kept)."""
     issue_coordinator(directory)
@@ -121,7 +135,15 @@ def load_coordinator(directory: Path | str) -> ClusterTLS:
     return ClusterTLS.from_files(ca_paths(directory).certificate, issued.certificate, issued.key)
 
 
-def _issue(directory: Path, paths: Issued, common_name: str, identities: Sequence[str], hosts: Sequence[str]) -> Issued:
+def _issue(
+    directory: Path,
+    paths: Issued,
+    common_name: str,
+    identities: Sequence[str],
+    hosts: Sequence[str],
+    *,
+    server: bool = True,
+) -> Issued:
     if paths.certificate.exists() and paths.key.exists():
         return paths
     ca = ensure_ca(directory)
@@ -131,7 +153,7 @@ def _issue(directory: Path, paths: Issued, common_name: str, identities: Sequenc
         raise ValueError(f"{ca.key} is not the EC key ringq certs makes")
     key = ec.generate_private_key(ec.SECP256R1())
     now = _now()
-    certificate = (
+    builder = (
         x509.CertificateBuilder()
         .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)]))
         .issuer_name(ca_certificate.subject)
@@ -140,12 +162,16 @@ def _issue(directory: Path, paths: Issued, common_name: str, identities: Sequenc
         .not_valid_before(now - datetime.timedelta(minutes=5))
         .not_valid_after(now + datetime.timedelta(days=MEMBER_DAYS))
         .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-        .add_extension(x509.SubjectAlternativeName([*map(x509.DNSName, identities), *_host_names(hosts)]), False)
-        .add_extension(
-            x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False
-        )
-        .sign(ca_key, hashes.SHA256())
     )
+    names = [*map(x509.DNSName, identities), *_host_names(hosts)]
+    if names:
+        builder = builder.add_extension(x509.SubjectAlternativeName(names), critical=False)
+    uses = (
+        [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]
+        if server
+        else [ExtendedKeyUsageOID.CLIENT_AUTH]
+    )
+    certificate = builder.add_extension(x509.ExtendedKeyUsage(uses), critical=False).sign(ca_key, hashes.SHA256())
     _write_key(paths.key, key)
     paths.certificate.write_bytes(certificate.public_bytes(serialization.Encoding.PEM))
     return paths
@@ -168,6 +194,10 @@ def _write_key(path: Path, key: ec.EllipticCurvePrivateKey) -> None:
     descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(descriptor, "wb") as out:
         out.write(data)
+
+
+def _digest(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def _now() -> datetime.datetime:

@@ -5,7 +5,7 @@
     ringq node --id ID --coordinator HOST:PORT [--listen HOST:PORT] [--advertise HOST:PORT] [--ready-file PATH]
                [--data-dir DIR] [--trace-dir DIR] [--log-level L] [timing flags]
     ringq cluster up --nodes N --dir DIR [--base-port P] [--timeout S] [--tls]
-    ringq certs ca|node|coordinator --dir DIR [--id NODE_ID] [--host NAME ...]
+    ringq certs ca|node|coordinator|user --dir DIR [--id NODE_ID] [--name USER] [--host NAME ...]
     ringq cluster status --dir DIR
     ringq cluster down --dir DIR [--timeout S]
 
@@ -120,6 +120,7 @@ _NODE_FLAGS = (
     "log_level",
     "cluster_listen",
     "cluster_advertise",
+    "certificate_listen",
     "tls_ca",
     "tls_cert",
     "tls_key",
@@ -161,6 +162,10 @@ def _certs(args: argparse.Namespace) -> int:
         issued = certs.ensure_ca(args.dir)
     elif args.kind == "coordinator":
         issued = certs.issue_coordinator(args.dir, hosts)
+    elif args.kind == "user":
+        if args.name is None:
+            raise _UsageError("ringq certs user needs --name USER")
+        issued = certs.issue_user(args.dir, args.name)
     else:
         if args.id is None:
             raise _UsageError("ringq certs node needs --id NODE_ID")
@@ -232,14 +237,20 @@ def build_parser() -> argparse.ArgumentParser:
     node.add_argument("--log-level", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     node.add_argument("--cluster-listen", type=address_argument, help="with TLS: HOST:PORT for cluster members")
     node.add_argument("--cluster-advertise", type=address_argument, help="with TLS: HOST:PORT members should dial")
+    node.add_argument(
+        "--certificate-listen", type=address_argument, help="with TLS: HOST:PORT for clients with a user certificate"
+    )
     _tls_arguments(node)
 
     issue = command(
         commands, "certs", "make a cluster CA and member certificates (development; docs/security.md)", _certs
     )
-    issue.add_argument("kind", choices=("ca", "node", "coordinator"), help="what to make (the CA is made if missing)")
+    issue.add_argument(
+        "kind", choices=("ca", "node", "coordinator", "user"), help="what to make (the CA is made if missing)"
+    )
     issue.add_argument("--dir", required=True, type=Path, metavar="DIR", help="where the CA and certificates live")
     issue.add_argument("--id", type=node_id_argument, help="node: its id")
+    issue.add_argument("--name", metavar="USER", help="user: the user the certificate authenticates as")
     issue.add_argument(
         "--host",
         action="append",

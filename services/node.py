@@ -161,11 +161,14 @@ class Node:
         *,
         dialer: Dialer = PLAINTEXT,
         cluster_address: str = "",
+        certificate_address: str = "",
     ) -> None:
         self.id = node_id
         self.address = address
         # Where other members dial this node ("": at `address`); with TLS, its own port.
         self.cluster_address = cluster_address
+        # Where clients with a user certificate reach this node ("": it serves none).
+        self.certificate_address = certificate_address
         self.dialer = dialer
         self.coordinator = coordinator
         self.settings = settings
@@ -200,7 +203,7 @@ class Node:
 
     async def start(self) -> None:
         await self._refuse_a_twin()
-        await self.coordinator.register_node(self.id, self.address, self.cluster_address)
+        await self.coordinator.register_node(self.id, self.address, self.cluster_address, self.certificate_address)
         self._detector = asyncio.ensure_future(self._detect_failures())
         await self.disk.measure()  # so the first heartbeat reports the disk
         self._tasks.add(asyncio.ensure_future(self.disk.run()))
@@ -633,16 +636,24 @@ async def serve(
     tls: ClusterTLS | None = None,
     cluster_listen: str | None = None,
     cluster_advertise: str | None = None,
+    certificate_listen: str | None = None,
 ) -> None:
     """Run a node until SIGTERM or SIGINT; clients are told `advertise` (default: the bound address).
 
     Plaintext: one port serves clients and cluster members alike. With `tls`, clients use `listen`
     (TLS) and cluster members `cluster_listen` (mutual TLS, port 0 by default: any), so the cluster's
-    internal services answer only certificates of the cluster CA.
+    internal services answer only certificates of the cluster CA. With `certificate_listen` too,
+    clients may also come there with a user certificate of the cluster CA instead of a password.
     """
     client_server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=[RequestGuard()])
     port = _listen(client_server, listen, tls.client_server_credentials() if tls else None)
     address = advertise or f"{listen.rsplit(':', 1)[0]}:{port}"
+    certificate_address = ""
+    if certificate_listen is not None:
+        if tls is None:
+            raise OSError("--certificate-listen needs TLS (--tls-ca, --tls-cert, --tls-key)")
+        certificate_port = _listen(client_server, certificate_listen, tls.certificate_server_credentials())
+        certificate_address = f"{certificate_listen.rsplit(':', 1)[0]}:{certificate_port}"
     cluster_server, cluster_address = client_server, ""
     if tls is not None:
         cluster_server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=[RequestGuard(admit=member_problem)])
@@ -653,7 +664,15 @@ async def serve(
     # Membership changes wait for the coordinator as long as it takes: a ring
     # cannot change its view without it, and giving up would stop the member.
     client = CoordinatorClient(coordinator, retry_seconds=COORDINATOR_RETRY_SECONDS, dialer=dialer)
-    node = Node(node_id, address, client, settings, dialer=dialer, cluster_address=cluster_address)
+    node = Node(
+        node_id,
+        address,
+        client,
+        settings,
+        dialer=dialer,
+        cluster_address=cluster_address,
+        certificate_address=certificate_address,
+    )
     # With TLS every public call is authenticated and authorised (services/access_guard.py).
     access = AccessGuard(client, enforced=tls is not None)
     group_pb2_grpc.add_GroupServiceServicer_to_server(GroupServicer(node, access), client_server)
@@ -693,6 +712,8 @@ async def serve(
         address,
         f" (TLS) and cluster members on {cluster_address} (mutual TLS)" if tls else " (plaintext)",
     )
+    if certificate_address:
+        log.info("node %s serving clients with user certificates on %s", node_id, certificate_address)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -770,6 +791,12 @@ def parser() -> argparse.ArgumentParser:
         type=address_argument,
         help="with TLS: HOST:PORT that other members should dial for the cluster port (default: the bound one)",
     )
+    out.add_argument(
+        "--certificate-listen",
+        type=address_argument,
+        help="with TLS: also serve clients at HOST:PORT that authenticate with a client certificate of the "
+        "cluster CA naming their user, instead of a password (port 0: any)",
+    )
     tls_flags.add_arguments(out)
     out.add_argument("--flush-interval-ms", type=_millis, default=str(defaults.flush_interval * 1000))
     out.add_argument("--heartbeat-interval-ms", type=_millis, default=str(defaults.heartbeat_interval * 1000))
@@ -846,6 +873,7 @@ def main(argv: list[str] | None = None) -> int:
                 tls=tls,
                 cluster_listen=args.cluster_listen,
                 cluster_advertise=args.cluster_advertise,
+                certificate_listen=args.certificate_listen,
             )
         )
     except OSError as error:

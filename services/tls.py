@@ -1,9 +1,10 @@
 """Cluster identity: who a cluster member is, proven with mutual TLS.
 
 Responsible for: loading a member's CA certificate, certificate and key; the gRPC credentials of
-the cluster port (a client certificate signed by the cluster CA is required) and of the client
-port (TLS, no client certificate); opening channels to other members that check the far end is
-the member meant; and reading which member made a call.
+the cluster port (a client certificate signed by the cluster CA is required), of the client port
+(TLS, no client certificate) and of a node's optional certificate port (clients must present a
+certificate of the cluster CA, which names their user); opening channels to other members that
+check the far end is the member meant; and reading which member or user a certificate proves.
 
 Identity lives in the certificate's DNS subject alternative names, so gRPC's own name check
 verifies it when dialling (the channel's target name is overridden with the identity, so the
@@ -11,6 +12,7 @@ host or IP a member is reached at does not matter):
   - node `ID`:        `ID.node.ringq`
   - any coordinator:  `coordinator.ringq`
 A certificate may carry other names too (the host names clients use for the client port).
+A user's certificate carries no member identity; its subject's common name is the user's name.
 
 Guarantees: with TLS on, a caller of the cluster port holds a certificate of the cluster CA, and
 `caller()` names the one member identity it carries (a certificate naming two identities, or a
@@ -75,6 +77,16 @@ def caller(context: Any) -> Identity | None:
     return identity_of(names)
 
 
+def certificate_user(context: Any) -> str | None:
+    """The user a client certificate names (its subject's common name), or None: no certificate (the
+    client port asks for none), or a member's certificate, which acts for the cluster, not a user."""
+    auth = context.auth_context()
+    if caller(context) is not None:
+        return None
+    names = auth.get("x509_common_name", [])
+    return names[0].decode("utf-8", "replace") if len(names) == 1 else None
+
+
 def secured(context: Any) -> bool:
     """Whether this call came over TLS (else: plaintext, where nothing is proven)."""
     return b"ssl" in context.auth_context().get("transport_security_type", [])
@@ -131,6 +143,11 @@ class ClusterTLS:
     def client_server_credentials(self) -> grpc.ServerCredentials:
         """The client port: TLS with this member's certificate; clients authenticate as users."""
         return grpc.ssl_server_credentials([(self.key, self.certificate)])
+
+    def certificate_server_credentials(self) -> grpc.ServerCredentials:
+        """A node's certificate port: clients must present a certificate of the cluster CA, whose common
+        name is their user (RabbitMQ's EXTERNAL mechanism); no password is asked."""
+        return self.cluster_server_credentials()
 
     def channel_credentials(self) -> grpc.ChannelCredentials:
         return grpc.ssl_channel_credentials(self.ca, self.key, self.certificate)

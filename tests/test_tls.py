@@ -7,9 +7,32 @@ from pathlib import Path
 
 import pytest
 from cryptography import x509
+from cryptography.x509.oid import ExtendedKeyUsageOID
 
 from services import certs, cli
-from services.tls import COORDINATOR_NAME, ClusterTLS, Identity, TLSConfigError, identity_of, is_loopback, node_name
+from services.tls import (
+    COORDINATOR_NAME,
+    ClusterTLS,
+    Identity,
+    TLSConfigError,
+    certificate_user,
+    identity_of,
+    is_loopback,
+    node_name,
+)
+
+
+class _Call:
+    """What certificate_user reads of a call: gRPC's auth context."""
+
+    def __init__(self, common_names: list[str], dns_names: list[str]) -> None:
+        self._auth = {
+            "x509_common_name": [name.encode() for name in common_names],
+            "x509_subject_alternative_name": [name.encode() for name in dns_names],
+        }
+
+    def auth_context(self) -> dict[str, list[bytes]]:
+        return self._auth
 
 
 def test_a_certificate_proves_exactly_one_member_identity() -> None:
@@ -21,6 +44,34 @@ def test_a_certificate_proves_exactly_one_member_identity() -> None:
     assert identity_of(["node1.node.ringq", COORDINATOR_NAME]) is None
     assert identity_of(["localhost"]) is None
     assert identity_of([".node.ringq", "coordinator.node.ringq", "a b.node.ringq"]) is None
+
+
+def test_a_user_certificate_names_its_user_and_a_member_certificate_none() -> None:
+    assert certificate_user(_Call(["carol"], [])) == "carol"
+    # A member's certificate acts for the cluster, never as a user of the same name.
+    assert certificate_user(_Call(["carol"], ["node1.node.ringq"])) is None
+    assert certificate_user(_Call(["carol"], [COORDINATOR_NAME])) is None
+    # No certificate (the client port asks for none), or an ambiguous subject: no user.
+    assert certificate_user(_Call([], [])) is None
+    assert certificate_user(_Call(["carol", "dave"], [])) is None
+
+
+def test_ringq_certs_makes_user_certificates_for_clients_only(tmp_path: Path) -> None:
+    directory = tmp_path / "tls"
+    assert cli.main(["certs", "user", "--dir", str(directory), "--name", "carol"]) == 0
+    issued = certs.user_paths(directory, "carol")
+    certificate = x509.load_pem_x509_certificate(issued.certificate.read_bytes())
+    assert certificate.subject.get_attributes_for_oid(x509.NameOID.COMMON_NAME)[0].value == "carol"
+    with pytest.raises(x509.ExtensionNotFound):  # no member identity, no host name
+        certificate.extensions.get_extension_for_class(x509.SubjectAlternativeName)
+    uses = certificate.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value
+    assert list(uses) == [ExtendedKeyUsageOID.CLIENT_AUTH]
+    certificate.verify_directly_issued_by(
+        x509.load_pem_x509_certificate(certs.ca_paths(directory).certificate.read_bytes())
+    )
+    # A user name that is not a safe file name never becomes one.
+    odd = certs.issue_user(directory, "../../etc/passwd")
+    assert odd.certificate.parent == directory and ".." not in odd.certificate.name
 
 
 def test_loopback_addresses() -> None:

@@ -12,7 +12,8 @@
  *       prints one JSON line {"consumed":N,"redelivered":R,"bodies":[...in delivery order]};
  *       exit status 0 if N arrived within T ms (default 30000).
  *
- * Both take --tls-ca PEM (TLS to the nodes, trusting that CA) and --user U --password P.
+ * Both take --tls-ca PEM (TLS to the nodes, trusting that CA) and either --user U --password P or
+ * --tls-cert PEM --tls-key PEM (a user certificate, at the nodes' certificate ports).
  *
  * Errors go to stderr as one JSON line {"error":..., "code":...} with exit status 1
  * (2 for bad usage). --address may be repeated or comma-separated.
@@ -25,7 +26,7 @@ const ringq = require('./ringq');
 const USAGE = `usage:
   node cli.js publish --address A[,B] --queue Q --count N [--publisher P] [--declare] [--durable] [TLS]
   node cli.js consume --address A[,B] --queue Q --count N [--prefetch K] [--timeout-ms T] [TLS]
-  TLS: [--tls-ca PEM] [--user U --password P]`;
+  TLS: [--tls-ca PEM] [--user U --password P | --tls-cert PEM --tls-key PEM]`;
 
 /** @param {unknown} value */
 function print(value) {
@@ -59,6 +60,8 @@ async function main(argv) {
       prefetch: { type: 'string', default: '100' },
       'timeout-ms': { type: 'string', default: '30000' },
       'tls-ca': { type: 'string' },
+      'tls-cert': { type: 'string' },
+      'tls-key': { type: 'string' },
       user: { type: 'string' },
       password: { type: 'string' },
     },
@@ -68,7 +71,9 @@ async function main(argv) {
   const count = positive(values.count, 'count');
   if ((values.user === undefined) !== (values.password === undefined)) throw new UsageError('--user and --password go together');
   const client = await ringq.connect(addresses, {
-    tls: values['tls-ca'] ? { ca: values['tls-ca'] } : undefined,
+    tls: values['tls-ca']
+      ? { ca: values['tls-ca'], certificate: values['tls-cert'], key: values['tls-key'] }
+      : undefined,
     credentials: values.user !== undefined ? { user: values.user, password: values.password ?? '' } : undefined,
   });
   try {

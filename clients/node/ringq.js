@@ -183,8 +183,10 @@ async function connect(addresses, options = {}) {
  * @typedef {object} ConnectOptions
  * @property {string} [vhost] the vhost of the queues named (default "/")
  * @property {string} [protosDir] where protos/ is (default: the repository's)
- * @property {{ ca?: string | Buffer, serverName?: string }} [tls] reach the nodes over TLS, trusting the CA
- *   certificate `ca` (a PEM path or bytes; absent: the system's roots); `serverName` overrides the name checked
+ * @property {{ ca?: string | Buffer, serverName?: string, certificate?: string | Buffer, key?: string | Buffer }} [tls]
+ *   reach the nodes over TLS, trusting the CA certificate `ca` (a PEM path or bytes; absent: the system's roots);
+ *   `serverName` overrides the name checked; `certificate` and `key` (PEM paths or bytes): a user certificate to
+ *   authenticate with instead of credentials, at the nodes' certificate ports (--certificate-listen)
  * @property {{ user: string, password: string }} [credentials] the user to act as, sent with every call
  *   (`authorization: Basic ...`); only over TLS, so a password never crosses the network in clear
  */
@@ -198,8 +200,9 @@ function channelCredentials(options) {
     if (options.credentials) throw new Error('connect: credentials are sent only over TLS: give options.tls too');
     return grpc.credentials.createInsecure();
   }
-  const { ca } = options.tls;
-  const ssl = grpc.credentials.createSsl(typeof ca === 'string' ? fs.readFileSync(ca) : (ca ?? null));
+  const { ca, certificate, key } = options.tls;
+  if (!certificate !== !key) throw new Error('connect: tls.certificate and tls.key go together');
+  const ssl = grpc.credentials.createSsl(pem(ca), pem(key), pem(certificate));
   if (!options.credentials) return ssl;
   const { user, password } = options.credentials;
   const authorization = `Basic ${Buffer.from(`${user}:${password}`).toString('base64')}`;
@@ -209,6 +212,14 @@ function channelCredentials(options) {
     callback(null, metadata);
   });
   return grpc.credentials.combineChannelCredentials(ssl, perCall);
+}
+
+/**
+ * PEM bytes from a path or bytes (null if absent).
+ * @param {string | Buffer | undefined} value
+ */
+function pem(value) {
+  return typeof value === 'string' ? fs.readFileSync(value) : (value ?? null);
 }
 
 /** A connection to a ringq cluster (one channel per address; failover to the next on UNAVAILABLE). */

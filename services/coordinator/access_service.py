@@ -34,7 +34,10 @@ def permission_to_proto(permission: Permission) -> access_pb2.Permission:
 
 
 async def _password(context: _Context, password: str) -> str:
-    """The hash of a valid `password` (INVALID_ARGUMENT otherwise)."""
+    """The hash of a valid `password` (INVALID_ARGUMENT otherwise); "" for no password, with which the
+    user can log in only with a client certificate (RabbitMQ's passwordless users)."""
+    if not password:
+        return ""
     if (problem := password_problem(password)) is not None:
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
     return await run_store(context, hash_password, password)

@@ -117,8 +117,12 @@ class CoordinatorClient:
             response = await self._call(lambda stub: stub.EraseMembers, request)
         return outcome_from_proto(response.outcome), group_from_proto(response.group)
 
-    async def register_node(self, node: str, address: str, cluster_address: str = "") -> None:
-        request = coordinator_pb2.RegisterNodeRequest(node=node, address=address, cluster_address=cluster_address)
+    async def register_node(
+        self, node: str, address: str, cluster_address: str = "", certificate_address: str = ""
+    ) -> None:
+        request = coordinator_pb2.RegisterNodeRequest(
+            node=node, address=address, cluster_address=cluster_address, certificate_address=certificate_address
+        )
         await self._call(lambda stub: stub.RegisterNode, request)
 
     async def list_nodes(self) -> list[tuple[str, str]]:

@@ -125,6 +125,7 @@ def node_to_proto(node: NodeRecord, alive: bool) -> cluster_pb2.NodeRecord:
         memory_high_watermark_bytes=node.memory.watermark_bytes,
         memory_alarm=node.memory.alarm,
         cluster_address=node.cluster_address,
+        certificate_address=node.certificate_address,
     )
 
 

@@ -118,17 +118,24 @@ class NodeRecord:
     memory: MemoryReport = NO_MEMORY_REPORT
     # Where the node serves other cluster members; "" means at `address`.
     cluster_address: str = ""
+    # Where clients with a user certificate reach the node; "" means nowhere.
+    certificate_address: str = ""
 
 
-def register_node(store: Store, node: str, address: str, cluster_address: str = "") -> None:
-    """Record `node` at `address`, serving members at `cluster_address` ("" : at `address`)
-    (insert or update; an existing `draining` flag is kept)."""
+def register_node(
+    store: Store, node: str, address: str, cluster_address: str = "", certificate_address: str = ""
+) -> None:
+    """Record `node` at `address`, serving members at `cluster_address` ("" : at `address`) and clients
+    with user certificates at `certificate_address` ("": nowhere) (insert or update; an existing
+    `draining` flag is kept)."""
     while True:
         record = store.get(NODE, node)
         draining = record is not None and bool(record.value.get("draining", False))
         value: dict[str, Any] = {"address": address, "draining": draining}
         if cluster_address:
             value["cluster_address"] = cluster_address
+        if certificate_address:
+            value["certificate_address"] = certificate_address
         if record is not None and dict(record.value) == value:
             return  # already so: wake no watcher
         if store.put(NODE, node, value, _version(record)) is not None:
@@ -204,6 +211,7 @@ def list_nodes(store: Store) -> list[NodeRecord]:
                 _disk_report(beat) if beat is not None else NO_DISK_REPORT,
                 _memory_report(beat) if beat is not None else NO_MEMORY_REPORT,
                 str(record.value.get("cluster_address", "")),
+                str(record.value.get("certificate_address", "")),
             )
         )
     return nodes

@@ -173,9 +173,18 @@ class CoordinatorServicer(MetadataRpcs, AccessRpcs, coordinator_pb2_grpc.Coordin
             context,
             _key("node", request.node)
             or _key("address", request.address)
-            or (_key("cluster_address", request.cluster_address) if request.cluster_address else None),
+            or (_key("cluster_address", request.cluster_address) if request.cluster_address else None)
+            or (_key("certificate_address", request.certificate_address) if request.certificate_address else None),
         )
-        await _run(context, records.register_node, self._store, request.node, request.address, request.cluster_address)
+        await _run(
+            context,
+            records.register_node,
+            self._store,
+            request.node,
+            request.address,
+            request.cluster_address,
+            request.certificate_address,
+        )
         return coordinator_pb2.RegisterNodeResponse()
 
     async def ListNodes(

@@ -1,6 +1,7 @@
 """`ringqctl`: administer a ringq cluster through its broker nodes.
 
-    ringqctl [--node HOST:PORT[,HOST:PORT...]] [--tls-ca PEM] [--user U --password P] [--json] COMMAND ...
+    ringqctl [--node HOST:PORT[,HOST:PORT...]] [--tls-ca PEM [--tls-cert PEM --tls-key PEM]] [--user U --password P]
+             [--json] COMMAND ...
 
 Cluster commands, sent to a node's AdminService (which answers from the
 coordinator): cluster_status, drain_node, undrain_node, set_policy,
@@ -16,7 +17,8 @@ Human tables by default, `--json` for scripts (protobuf's JSON mapping, so
 message and exit 1; usage errors exit 2. Nodes are those of `--node`, else
 $RINGQ_NODE, else 127.0.0.1:7100; each is tried in turn on UNAVAILABLE.
 `--tls-ca` (or $RINGQ_TLS_CA) reaches them over TLS, trusting that CA; `--user` and
-`--password` (or $RINGQ_USER, $RINGQ_PASSWORD) say who acts. Users, vhosts and permissions:
+`--password` (or $RINGQ_USER, $RINGQ_PASSWORD) say who acts; or `--tls-cert` and `--tls-key`,
+a user certificate, at the nodes' certificate ports. Users, vhosts and permissions:
 ringq/ctl_access.py.
 """
 
@@ -520,6 +522,10 @@ def parser() -> argparse.ArgumentParser:
         metavar="PEM",
         help=f"reach the nodes over TLS, trusting this CA certificate (default ${TLS_CA_ENV}; none: plaintext)",
     )
+    out.add_argument(
+        "--tls-cert", metavar="PEM", help="with --tls-ca: a user certificate to authenticate with (no password)"
+    )
+    out.add_argument("--tls-key", metavar="PEM", help="the user certificate's private key")
     out.add_argument("--json", action="store_true", help="print JSON instead of a table")
     out.add_argument("--timeout", type=float, default=5.0, help="seconds per call (default 5)")
     commands = out.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -605,8 +611,13 @@ def main(argv: list[str] | None = None) -> int:
         cli.error(f"argument --argument: {', '.join(map(repr, repeated))} given more than once")
     if (args.auth_user is None) != (args.auth_password is None):
         cli.error("--user and --password go together")
+    if (args.tls_cert is None) != (args.tls_key is None):
+        cli.error("--tls-cert and --tls-key go together")
+    if args.tls_cert is not None and args.tls_ca is None:
+        cli.error("--tls-cert needs --tls-ca")
     credentials = Credentials(args.auth_user, args.auth_password) if args.auth_user is not None else None
-    admin = Admin(args.nodes, args.timeout, TLS(ca=args.tls_ca) if args.tls_ca else None, credentials)
+    tls = TLS(ca=args.tls_ca, certificate=args.tls_cert, key=args.tls_key) if args.tls_ca else None
+    admin = Admin(args.nodes, args.timeout, tls, credentials)
     try:
         as_json, text = args.run(admin, args)
     except grpc.RpcError as error:

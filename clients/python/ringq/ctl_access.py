@@ -1,13 +1,14 @@
 """ringqctl's access commands: users, vhosts and permissions (RabbitMQ's rabbitmqctl verbs).
 
-    add_user NAME PASSWORD [--tags administrator,monitoring]   delete_user NAME
-    change_password NAME PASSWORD                              list_users
+    add_user NAME [PASSWORD] [--tags administrator,monitoring] delete_user NAME
+    change_password NAME PASSWORD     clear_password NAME      list_users
     add_vhost NAME       delete_vhost NAME                     list_vhosts
     set_permissions [-p VHOST] USER CONFIGURE WRITE READ       clear_permissions [-p VHOST] USER
     list_permissions [-p VHOST] [--user USER]
 
 Each is one AdminService call on a node; the node answers from the coordinator. Passwords are sent
-over the connection (use TLS) and stored only as hashes.
+over the connection (use TLS) and stored only as hashes. A user without a password (add_user with
+none, or clear_password) authenticates only with a client certificate naming it.
 """
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ def _tags(text: str) -> list[str]:
 
 def add_user(c: Any, args: argparse.Namespace) -> tuple[Any, str]:
     request = access_pb2.AddUserRequest(name=args.name, password=args.password, tags=_tags(args.tags))
-    return as_json(c.call(lambda s: s.AddUser, request)), f"user {args.name!r} added"
+    how = "" if args.password else " (no password: it authenticates with a client certificate)"
+    return as_json(c.call(lambda s: s.AddUser, request)), f"user {args.name!r} added{how}"
 
 
 def delete_user(c: Any, args: argparse.Namespace) -> tuple[Any, str]:
@@ -43,6 +45,12 @@ def delete_user(c: Any, args: argparse.Namespace) -> tuple[Any, str]:
 def change_password(c: Any, args: argparse.Namespace) -> tuple[Any, str]:
     request = access_pb2.ChangePasswordRequest(name=args.name, password=args.password)
     return as_json(c.call(lambda s: s.ChangePassword, request)), f"password of {args.name!r} changed"
+
+
+def clear_password(c: Any, args: argparse.Namespace) -> tuple[Any, str]:
+    request = access_pb2.ChangePasswordRequest(name=args.name, password="")
+    response = c.call(lambda s: s.ChangePassword, request)
+    return as_json(response), f"password of {args.name!r} cleared: it authenticates with a client certificate only"
 
 
 def list_users(c: Any, args: argparse.Namespace) -> tuple[Any, str]:
@@ -92,12 +100,13 @@ def add_commands(command: _Command) -> None:
     """Add the access verbs with `command(name, run, help)`, which returns the verb's parser."""
     sub = command("add_user", add_user, "create a user (or replace its password and tags)")
     sub.add_argument("name")
-    sub.add_argument("password")
+    sub.add_argument("password", nargs="?", default="", help="none: the user logs in with a client certificate only")
     sub.add_argument("--tags", default="", help="comma-separated: administrator, monitoring, policymaker, management")
     command("delete_user", delete_user, "delete a user and its permissions").add_argument("name")
     sub = command("change_password", change_password, "set a user's password")
     sub.add_argument("name")
     sub.add_argument("password")
+    command("clear_password", clear_password, "remove a user's password (client certificate only)").add_argument("name")
     command("list_users", list_users, "list users and their tags")
     command("add_vhost", add_vhost, "create a vhost").add_argument("name")
     command("delete_vhost", delete_vhost, "delete a vhost that has no queues, with its permissions").add_argument(

@@ -2,8 +2,10 @@
 
 Responsible for: one `TLS` value that says which CA the client trusts (a PEM file or bytes; None:
 the system's trust store) and, optionally, the name the nodes' certificates must carry when it is
-not the host dialled (`server_name`); `Credentials` (a user and password, sent with every call as
-`authorization: Basic ...` metadata); and opening gRPC channels and stubs with them.
+not the host dialled (`server_name`), and the client's own certificate and key when it authenticates
+with a user certificate (on the nodes' certificate port) instead of a password; `Credentials` (a
+user and password, sent with every call as `authorization: Basic ...` metadata); and opening gRPC
+channels and stubs with them.
 Guarantees: with a `TLS`, a channel completes only with a node whose certificate the CA signed for
 the name expected; without one, the channel is plaintext (for a development cluster on loopback).
 Credentials are sent with every call made through `authenticated(stub, credentials)`, and never
@@ -24,15 +26,21 @@ import grpc
 
 @dataclass(frozen=True)
 class TLS:
-    """TLS to the nodes' client port: `ca` is the CA's PEM (a path or the bytes; None: system roots)."""
+    """TLS to the nodes: `ca` is the CA's PEM (a path or the bytes; None: system roots). With
+    `certificate` and `key` (PEM paths or bytes), the client presents a user certificate: give the
+    nodes' certificate-port addresses then, and no Credentials."""
 
     ca: str | Path | bytes | None = None
     server_name: str | None = None
+    certificate: str | Path | bytes | None = None
+    key: str | Path | bytes | None = field(default=None, repr=False)
 
-    def ca_bytes(self) -> bytes | None:
-        if self.ca is None or isinstance(self.ca, bytes):
-            return self.ca
-        return Path(self.ca).read_bytes()
+    def __post_init__(self) -> None:
+        if (self.certificate is None) != (self.key is None):
+            raise ValueError("TLS: a client certificate and its key go together")
+
+    def credentials(self) -> grpc.ChannelCredentials:
+        return grpc.ssl_channel_credentials(_pem(self.ca), _pem(self.key), _pem(self.certificate))
 
     def options(self) -> list[tuple[str, Any]]:
         return [("grpc.ssl_target_name_override", self.server_name)] if self.server_name else []
@@ -42,16 +50,20 @@ def aio_channel(address: str, tls: TLS | None, options: Sequence[tuple[str, Any]
     """An asyncio channel to `address`: TLS as `tls` says, or plaintext if None."""
     if tls is None:
         return grpc.aio.insecure_channel(address, options=list(options))
-    credentials = grpc.ssl_channel_credentials(tls.ca_bytes())
-    return grpc.aio.secure_channel(address, credentials, options=[*options, *tls.options()])
+    return grpc.aio.secure_channel(address, tls.credentials(), options=[*options, *tls.options()])
 
 
 def channel(address: str, tls: TLS | None, options: Sequence[tuple[str, Any]] = ()) -> grpc.Channel:
     """A blocking channel to `address`: TLS as `tls` says, or plaintext if None."""
     if tls is None:
         return grpc.insecure_channel(address, options=list(options))
-    credentials = grpc.ssl_channel_credentials(tls.ca_bytes())
-    return grpc.secure_channel(address, credentials, options=[*options, *tls.options()])
+    return grpc.secure_channel(address, tls.credentials(), options=[*options, *tls.options()])
+
+
+def _pem(value: str | Path | bytes | None) -> bytes | None:
+    if value is None or isinstance(value, bytes):
+        return value
+    return Path(value).read_bytes()
 
 
 @dataclass(frozen=True)
