@@ -4,7 +4,7 @@
     ringq coordinator [--listen HOST:PORT] [--ready-file PATH] --store zookeeper --zookeeper HOSTS [--zookeeper-root Z]
     ringq node --id ID --coordinator HOST:PORT [--listen HOST:PORT] [--advertise HOST:PORT] [--ready-file PATH]
                [--data-dir DIR] [--trace-dir DIR] [--log-level L] [timing flags]
-    ringq cluster up --nodes N --dir DIR [--base-port P] [--timeout S] [--tls]
+    ringq cluster up --nodes N --dir DIR [--base-port P] [--timeout S] [--tls] [--resume | --fresh]
     ringq certs ca|node|coordinator|user --dir DIR [--id NODE_ID] [--name USER] [--host NAME ...]
     ringq cluster status --dir DIR
     ringq cluster down --dir DIR [--timeout S]
@@ -146,7 +146,8 @@ def _run_node(args: argparse.Namespace) -> int:
 def _cluster_up(args: argparse.Namespace) -> int:
     if args.base_port and args.base_port + args.nodes > 65535:
         raise _UsageError(f"--base-port {args.base_port} leaves no room for {args.nodes} nodes below port 65536")
-    info = cluster.up(args.nodes, args.dir, base_port=args.base_port, timeout=args.timeout, tls=args.tls)
+    state = cluster.RESUME if args.resume else cluster.FRESH if args.fresh else cluster.NEW
+    info = cluster.up(args.nodes, args.dir, base_port=args.base_port, timeout=args.timeout, tls=args.tls, state=state)
     width = max(len(p.name) for p in info.processes)
     for process in info.processes:
         print(f"{process.name:<{width}}  pid {process.pid:<7}  {process.address}")
@@ -269,6 +270,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--timeout", type=_seconds, default=20.0, metavar="S", help="seconds to wait for every process to be ready"
     )
     start.add_argument("--tls", action="store_true", help="make certificates in DIR/tls and run with mutual TLS")
+    earlier = start.add_mutually_exclusive_group()
+    earlier.add_argument("--resume", action="store_true", help="start on DIR's earlier state (queues, users, ...)")
+    earlier.add_argument("--fresh", action="store_true", help="delete DIR's earlier state first (keeps DIR/tls)")
     stop = command(actions, "down", "stop the cluster (SIGTERM, then SIGKILL)", _cluster_down)
     stop.add_argument("--timeout", type=_seconds, default=10.0, metavar="S", help="seconds to wait before SIGKILL")
     show = command(actions, "status", "show each process and whether it is alive", _cluster_status)

@@ -9,6 +9,7 @@ A cluster lives in one directory:
     DIR/cluster.json        the record of what runs (written atomically, only once every process is ready)
     DIR/cluster.lock        up/down/start_node/kill hold an exclusive flock on it, so they never interleave
     DIR/coordinator.db      the coordinator's SQLite store
+    DIR/data/<node>/        each node's durable queues
     DIR/logs/<name>.log     stdout and stderr of each process, appended to (each start writes a header line)
     DIR/run/<name>.ready    the "host:port" each process writes once it is serving
 
@@ -20,6 +21,9 @@ Guarantees:
   timeout passes, the caller is interrupted) it stops everything it started, writes no record and
   raises `ClusterError` naming the process, with the tail of its log.
 - At most one live cluster per directory: `up` refuses a directory whose record has a live process.
+- `up` never resumes or discards a cluster's state (its coordinator's store, its nodes' data) unless
+  told to: on a directory that has state it raises ClusterError unless `state` is RESUME (start on
+  it) or FRESH (delete it first; the certificates in DIR/tls are kept).
 - A recorded process counts as alive only while its pid exists, is not a zombie and (where /proc is
   available) has the start time that was recorded, so a pid reused by an unrelated process is never
   signalled.
@@ -33,6 +37,7 @@ import contextlib
 import fcntl
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -61,6 +66,12 @@ _KILL_GRACE_SECONDS = 5.0
 _TAIL_LINES = 20
 _PROC = Path("/proc")
 _HAVE_PROC = _PROC.joinpath("self", "stat").exists()
+# What `up` does with a directory that holds a cluster's state.
+NEW = "new"  # refuse it
+RESUME = "resume"  # start on it
+FRESH = "fresh"  # delete it first
+STATES = (NEW, RESUME, FRESH)
+DATA_DIR = "data"
 # A source checkout (rather than an installed package) is put on the children's PYTHONPATH.
 _SOURCE_ROOT = Path(__file__).resolve().parents[1]
 
@@ -140,14 +151,19 @@ def up(
     timeout: float = 20.0,
     node_command: Sequence[str] | None = None,
     tls: bool = False,
+    state: str = NEW,
 ) -> ClusterInfo:
     """Start a coordinator and nodes node1..node`nodes` in `directory`; return once all are serving.
 
     With `base_port` 0 every process binds a free port; with P the coordinator binds P and node k binds
     P+k. `node_args` are appended to every node's command line. `timeout` bounds the whole start-up.
     With `tls`, a CA and member certificates are made in DIR/tls (kept across restarts) and every
-    process uses them; nodes serve cluster members on a port of their own.
+    process uses them; nodes serve cluster members on a port of their own. `state` says what to do
+    if the directory holds an earlier cluster's state: NEW refuses (ClusterError), RESUME starts on
+    it, FRESH deletes it first.
     """
+    if state not in STATES:
+        raise ValueError(f"state must be one of {', '.join(STATES)}, got {state!r}")
     if not 1 <= nodes <= MAX_NODES:
         raise ValueError(f"nodes must be between 1 and {MAX_NODES}, got {nodes}")
     if base_port != 0 and not 1 <= base_port <= 65535 - nodes:
@@ -163,6 +179,7 @@ def up(
                     f"a cluster is already running in {directory} ({', '.join(live)} alive); "
                     "stop it first with `ringq cluster down`"
                 )
+        _settle_state(directory, state)
         deadline = time.monotonic() + timeout
         started: list[_Launch] = []
         try:
@@ -349,6 +366,32 @@ def _prepare(directory: Path | str) -> Path:
     for sub in (directory, directory / "logs", directory / "run"):
         sub.mkdir(parents=True, exist_ok=True)
     return directory
+
+
+def state_of(directory: Path) -> list[Path]:
+    """The earlier cluster's state in `directory`: its coordinator's store and its nodes' data."""
+    found = sorted(directory.glob("coordinator.db*"))
+    data = directory / DATA_DIR
+    if data.is_dir() and any(data.iterdir()):
+        found.append(data)
+    return found
+
+
+def _settle_state(directory: Path, state: str) -> None:
+    found = state_of(directory)
+    if not found or state == RESUME:
+        return
+    if state == NEW:
+        names = ", ".join(str(path.relative_to(directory)) for path in found)
+        raise ClusterError(
+            f"{directory} holds an earlier cluster's state ({names}): start on it with --resume, "
+            "or delete it with --fresh"
+        )
+    for path in found:
+        if path.is_dir():
+            shutil.rmtree(path)
+        else:
+            path.unlink()
 
 
 def _ready_file(directory: Path, name: str) -> Path:

@@ -211,10 +211,10 @@ def test_up_twice_into_a_live_directory_is_refused(cluster_dir: Path, stand_in: 
     assert (cluster_dir / "cluster.json").read_text() == record
     assert all(alive for _, alive in cluster.status(cluster_dir))
 
-    # Once its processes are dead, the directory can be reused even though the record is still there.
+    # Once its processes are dead, the directory can be reused (resuming its state) though the record is still there.
     for name in ("node1", "coordinator"):
         assert cluster.kill(cluster_dir, name)
-    third = ringq("cluster", "up", "--nodes", "1", "--dir", str(cluster_dir), node_command=stand_in)
+    third = ringq("cluster", "up", "--nodes", "1", "--dir", str(cluster_dir), "--resume", node_command=stand_in)
     assert third.returncode == 0, third.stderr
 
 
@@ -244,6 +244,7 @@ def test_a_node_that_fails_to_start_is_one_line_and_leaves_nothing_running(
         (["cluster", "up", "--nodes", "2", "--dir", "D", "--base-port", "70000"], "argument --base-port: expected"),
         (["cluster", "up", "--nodes", "2", "--dir", "D", "--base-port", "65534"], "leaves no room for 2 nodes"),
         (["cluster", "up", "--nodes", "2", "--dir", "D", "--timeout", "0"], "argument --timeout: expected a positive"),
+        (["cluster", "up", "--nodes", "2", "--dir", "D", "--resume", "--fresh"], "not allowed with argument"),
         (["cluster", "down", "--dir", "D", "--force"], "unrecognized arguments: --force"),
         (["cluster", "status"], "the following arguments are required: --dir"),
         (["coordinator", "--listen", "nowhere"], "argument --listen: expected HOST:PORT, got 'nowhere'"),
@@ -320,6 +321,30 @@ def test_node_command_forwards_its_flags(monkeypatch: pytest.MonkeyPatch) -> Non
 
 
 # ---------------------------------------------------------------------------------------------- the library
+
+
+def test_up_on_an_earlier_clusters_state_asks_to_resume_or_start_fresh(
+    cluster_dir: Path, stand_in: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`ringq cluster up` on an old directory silently resumed its state: it now says so and asks."""
+    cluster.up(1, cluster_dir, node_command=stand_in)
+    cluster.down(cluster_dir)
+    (cluster_dir / cluster.DATA_DIR / "node1").mkdir(parents=True)
+    (cluster_dir / cluster.DATA_DIR / "node1" / "queue.log").write_bytes(b"kept")
+    with pytest.raises(cluster.ClusterError, match="--resume.*--fresh") as refused:
+        cluster.up(1, cluster_dir, node_command=stand_in)
+    assert "coordinator.db" in str(refused.value) and "data" in str(refused.value)
+    assert cli.main(["cluster", "up", "--nodes", "1", "--dir", str(cluster_dir)]) == 1
+    assert "--resume" in capsys.readouterr().err
+    # --resume starts on it, untouched; --fresh deletes it (the certificates would stay).
+    cluster.up(1, cluster_dir, node_command=stand_in, state=cluster.RESUME)
+    cluster.down(cluster_dir)
+    assert (cluster_dir / cluster.DATA_DIR / "node1" / "queue.log").read_bytes() == b"kept"
+    cluster.up(1, cluster_dir, node_command=stand_in, state=cluster.FRESH)
+    cluster.down(cluster_dir)
+    assert not (cluster_dir / cluster.DATA_DIR).exists()
+    with pytest.raises(SystemExit):
+        cli.main(["cluster", "up", "--nodes", "1", "--dir", str(cluster_dir), "--resume", "--fresh"])
 
 
 def test_up_kill_and_start_node(cluster_dir: Path, stand_in: list[str]) -> None:
