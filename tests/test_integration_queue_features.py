@@ -138,3 +138,35 @@ def test_single_active_consumer(nodes: list[str]) -> None:
             await second.close()
 
     asyncio.run(scenario())
+
+
+def test_queue_arguments_bound_a_queue_with_its_policy_and_bad_ones_are_refused(nodes: list[str]) -> None:
+    """Arguments were accepted whatever their type (x-max-length "ten") and never applied: they are now
+    validated as policies are, and the lower of the policy's limit and the argument's applies."""
+
+    async def scenario() -> None:
+        async with aio.Connection(nodes) as client:
+            # The policy "drop" says max-length 2 (drop-head); the argument asks 5 with reject-publish:
+            # the lower length (2) and the argument's overflow apply.
+            await client.declare_queue("drop.args", arguments={"x-max-length": 5, "x-overflow": "reject-publish"})
+            outcomes = await client.producer("drop.args").publish_many([b"1", b"2", b"3"])
+            assert outcomes == [aio.Outcome.CONFIRMED, aio.Outcome.CONFIRMED, aio.Outcome.REJECTED]
+            # No policy: the argument alone bounds the queue.
+            await client.declare_queue("plain.args", arguments={"x-max-length": 1, "x-overflow": "reject-publish"})
+            outcomes = await client.producer("plain.args").publish_many([b"1", b"2"])
+            assert outcomes == [aio.Outcome.CONFIRMED, aio.Outcome.REJECTED]
+            assert await _bodies(client, "plain.args") == [b"1"]
+            for arguments, named in (
+                ({"x-max-length": "ten"}, "x-max-length"),
+                ({"x-max-lenght": 10}, "x-max-lenght"),
+                ({"x-single-active-consumer": "yes"}, "x-single-active-consumer"),
+            ):
+                with pytest.raises(grpc.aio.AioRpcError) as refused:
+                    await client.declare_queue("bad.args", arguments=arguments)
+                assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT, refused.value
+                assert named in (refused.value.details() or "")
+            with pytest.raises(grpc.aio.AioRpcError) as absent:
+                await client.queue_status("bad.args")
+            assert absent.value.code() == grpc.StatusCode.NOT_FOUND, "a refused declare made the queue"
+
+    asyncio.run(scenario())

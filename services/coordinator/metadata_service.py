@@ -22,7 +22,7 @@ import grpc
 
 from ringq.internal.v1 import coordinator_pb2
 from ringq.v1 import cluster_pb2
-from services.coordinator import access_records, metadata, records
+from services.coordinator import access_records, metadata, queue_arguments, records
 from services.coordinator.convert import (
     disk_report_from_heartbeat,
     group_to_proto,
@@ -193,6 +193,10 @@ class MetadataRpcs:
         self, request: coordinator_pb2.DeclareQueueRequest, context: _Context
     ) -> coordinator_pb2.QueueRecordResponse:
         await require(context, name=request.name)
+        try:
+            queue_arguments.validate(request.arguments)
+        except queue_arguments.ArgumentError as error:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
         declared = QueueRecord(
             vhost=request.vhost or "/",
             name=request.name,

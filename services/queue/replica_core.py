@@ -80,6 +80,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
+from services.coordinator import queue_arguments
 from services.coordinator.metadata import QueueRecord
 from services.coordinator.policies import min_synchronised
 from services.queue.contents import QueueContents
@@ -1454,7 +1455,8 @@ class ReplicaCore:
     @staticmethod
     def _limits(record: QueueRecord) -> QueueLimits:
         return QueueLimits.from_definition(
-            record.policy_definition, record.arguments.get("x-single-active-consumer") == "true"
+            queue_arguments.effective_definition(record.policy_definition, record.arguments),
+            queue_arguments.single_active_consumer(record.arguments),
         )
 
 

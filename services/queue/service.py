@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
@@ -34,6 +33,7 @@ from ringq.security import with_metadata
 from ringq.v1 import queue_pb2, queue_pb2_grpc
 from services.access import Operation
 from services.access_guard import OPEN, AccessGuard, Principal, scoped_publisher
+from services.coordinator import queue_arguments
 from services.coordinator.client import CoordinatorClient
 from services.coordinator.metadata import QueueRecord
 from services.coordinator.policies import MAX_TTL_MS
@@ -280,11 +280,10 @@ class QueueServicer(queue_pb2_grpc.QueueServiceServicer):
         if problem:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
         principal = await self.access.allow(context, _vhost(ref), Operation.CONFIGURE, ref.queue)
-        for key, value in request.arguments.items():
-            try:
-                json.loads(value)
-            except ValueError:
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"arguments[{key!r}] must be JSON, got {value!r}")
+        try:
+            queue_arguments.validate(request.arguments)
+        except queue_arguments.ArgumentError as error:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
         declared = QueueRecord(
             _vhost(ref),
             ref.queue,

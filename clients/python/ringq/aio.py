@@ -206,8 +206,9 @@ class Connection:
         arguments: Mapping[str, Any] | None = None,
     ) -> queue_pb2.QueueInfo:
         """Declare `queue` (or find it, if it exists with the same properties).
-        `arguments`: e.g. {"x-single-active-consumer": True} (values sent as JSON)."""
-        texts = {k: v if isinstance(v, str) else json.dumps(v) for k, v in (arguments or {}).items()}
+        `arguments`: RabbitMQ's x-arguments as Python values, e.g. {"x-max-length": 1000, "x-overflow":
+        "reject-publish", "x-single-active-consumer": True}; each is sent as JSON text (the proto's form)."""
+        texts = {k: json.dumps(v) for k, v in (arguments or {}).items()}
         request = queue_pb2.QueueDeclareRequest(
             queue=self.ref(queue),
             durable=durable,
