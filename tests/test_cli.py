@@ -331,7 +331,7 @@ def test_up_on_an_earlier_clusters_state_asks_to_resume_or_start_fresh(
     cluster.down(cluster_dir)
     (cluster_dir / cluster.DATA_DIR / "node1").mkdir(parents=True)
     (cluster_dir / cluster.DATA_DIR / "node1" / "queue.log").write_bytes(b"kept")
-    with pytest.raises(cluster.ClusterError, match="--resume.*--fresh") as refused:
+    with pytest.raises(cluster.ClusterError, match=r"--resume.*--fresh") as refused:
         cluster.up(1, cluster_dir, node_command=stand_in)
     assert "coordinator.db" in str(refused.value) and "data" in str(refused.value)
     assert cli.main(["cluster", "up", "--nodes", "1", "--dir", str(cluster_dir)]) == 1

@@ -38,7 +38,7 @@ def test_known_arguments_with_good_values_are_parsed() -> None:
 @pytest.mark.parametrize(
     ("arguments", "key", "says"),
     [
-        ({"x-max-length": '"ten"'}, "x-max-length", "must be an integer >= 0 (messages), got \"ten\""),
+        ({"x-max-length": '"ten"'}, "x-max-length", 'must be an integer >= 0 (messages), got "ten"'),
         ({"x-max-length": "ten"}, "x-max-length", "must be JSON"),
         ({"x-max-length": "-1"}, "x-max-length", "must be an integer >= 0"),
         ({"x-max-length": "true"}, "x-max-length", "must be an integer"),

@@ -4,6 +4,8 @@ the mirror's announcements. tests/sim drives the same core under random faults."
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from services.queue.durability import Claim, Position
@@ -14,6 +16,7 @@ from services.queue.replica_core import (
     AppendToLog,
     Broadcast,
     CompleteStep,
+    DeleteRecord,
     EndConsumers,
     FlushLog,
     LogRecovery,
@@ -341,6 +344,25 @@ def test_a_replica_that_hears_no_master_claims_and_the_one_whose_intact_log_know
     master = best.core.master
     assert master is not None and list(master.core.contents.messages) == [7]
     assert master.core.contents.messages[7].delivery_count == 1, "it may have been delivered before"
+
+
+def test_a_transient_queue_whose_replicas_all_restarted_is_deleted_not_recovered_empty() -> None:
+    """Non-durable queues came back, empty, after a whole-cluster restart (RabbitMQ deletes them):
+    the winner of the election deletes the record, guarded by the epoch it saw."""
+    queue = record(durable=False, master="node1", mirrors=("node2",), synchronised_mirrors=("node2",), master_epoch=3)
+    driven = Driven("node1", queue)
+    driven.run(driven.core.on_joined("node1.x", ["node1.x", "node2.x"], 0))
+    driven.tick(2_000)  # no master served: it claims
+    driven.set_record(recovery_positions={"node1": "0.0", "node2": "0.0"})  # node1, the old master, wins
+    assert driven.core.role is not Role.MASTER and driven.record.master_epoch == 3, "it did not take the queue"
+    [delete] = driven.take(DeleteRecord)
+    assert any(event.kind == "deleted" for event in driven.core.events)
+    assert delete.still(driven.record)
+    assert not delete.still(dataclasses.replace(driven.record, master_epoch=4)), "someone took it meanwhile"
+    # A new transient queue (never served: epoch 0) is taken as before, not deleted.
+    fresh = Driven("node1", record(durable=False, master="node1", mirrors=()))
+    fresh.run(fresh.core.on_joined("node1.x", ["node1.x"], 0))
+    assert fresh.core.role is Role.MASTER and not fresh.take(DeleteRecord)
 
 
 def test_a_damaged_log_that_wins_is_rewritten_fresh_and_reported() -> None:

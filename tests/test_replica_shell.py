@@ -30,6 +30,9 @@ class _Host:
     ) -> QueueRecord:
         return record
 
+    async def delete_record(self, record: QueueRecord, still: Callable[[QueueRecord], bool]) -> None:
+        raise AssertionError("not used")
+
     async def dead_letter(self, vhost: str, queue: str, bodies: list[Publish]) -> None:
         pass
 

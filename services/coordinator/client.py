@@ -176,8 +176,10 @@ class CoordinatorClient:
         response = await self._call(lambda stub: stub.UpdateQueue, request)
         return queue_from_proto(response.queue)
 
-    async def delete_queue(self, vhost: str, name: str) -> None:
-        await self._call(lambda stub: stub.DeleteQueue, coordinator_pb2.DeleteQueueRequest(vhost=vhost, name=name))
+    async def delete_queue(self, vhost: str, name: str, expected_version: int = 0) -> None:
+        """Delete the record (only at `expected_version` unless 0: ABORTED on a conflict; NOT_FOUND if absent)."""
+        request = coordinator_pb2.DeleteQueueRequest(vhost=vhost, name=name, expected_version=expected_version)
+        await self._call(lambda stub: stub.DeleteQueue, request)
 
     async def watch(self, kinds: Sequence[str], after_revision: int) -> AsyncIterator[coordinator_pb2.WatchEvent]:
         """Changes of `kinds` after `after_revision`, from the current coordinator. The

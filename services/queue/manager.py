@@ -239,6 +239,21 @@ class QueueManager:
                 if error.code() != grpc.StatusCode.ABORTED:
                     raise
 
+    async def delete_record(self, record: QueueRecord, still: Callable[[QueueRecord], bool]) -> None:
+        """Delete `record`'s queue if `still(current record)` (compare-and-set; asked again on a conflict)."""
+        while True:
+            try:
+                current = await self.coordinator.get_queue(record.vhost, record.name)
+                if not still(current):
+                    return
+                await self.coordinator.delete_queue(record.vhost, record.name, current.version)
+                return
+            except grpc.aio.AioRpcError as error:
+                if error.code() == grpc.StatusCode.NOT_FOUND:
+                    return
+                if error.code() != grpc.StatusCode.ABORTED:
+                    raise
+
     async def dead_letter(self, vhost: str, queue: str, items: list[Publish]) -> None:
         """Publish dead letters to their queue (at least once: retried until confirmed)."""
         for attempt in range(50):

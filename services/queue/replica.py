@@ -33,6 +33,7 @@ from services.queue.replica_core import (
     AppendToLog,
     Broadcast,
     CompleteStep,
+    DeleteRecord,
     DiscardLog,
     Effect,
     EndConsumers,
@@ -300,6 +301,8 @@ class QueueReplica:
                 self.disk.apply(effect)
         elif isinstance(effect, UpdateRecord):
             self._spawn(self._update_record(effect))
+        elif isinstance(effect, DeleteRecord):
+            self._spawn(self.host.delete_record(self.core.record, effect.still))
         elif isinstance(effect, CompleteStep):
             self._complete(effect)
         elif isinstance(effect, ReleaseConfirms):

@@ -245,6 +245,15 @@ class UpdateRecord:
 
 
 @dataclass(frozen=True, slots=True)
+class DeleteRecord:
+    """Delete the queue's record if `still` holds for it as it is now (compare-and-set on its version;
+    re-read and asked again on a conflict); every replica then stops as for any deleted queue."""
+
+    still: Callable[[QueueRecord], bool]
+    purpose: str
+
+
+@dataclass(frozen=True, slots=True)
 class CompleteStep:
     """Step `step_id` (decided at `decided_ms`) is done: hand out its deliveries, publish its dead
     letters; with `confirmed`, answer its publishes now, else they wait for a ReleaseConfirms."""
@@ -299,6 +308,7 @@ Effect = (
     | DiscardLog
     | WatchDisk
     | UpdateRecord
+    | DeleteRecord
     | CompleteStep
     | ReleaseConfirms
     | AbandonSteps
@@ -317,8 +327,8 @@ def describe(effect: Effect) -> str:
     if isinstance(effect, CompleteStep):
         step = effect.step
         return f"CompleteStep {effect.step_id}: {len(step.deliveries)} deliveries, confirmed={effect.confirmed}"
-    if isinstance(effect, UpdateRecord):
-        return f"UpdateRecord: {effect.purpose}"
+    if isinstance(effect, UpdateRecord | DeleteRecord):
+        return f"{type(effect).__name__}: {effect.purpose}"
     if isinstance(effect, AppendToLog):
         return f"AppendToLog: +{len(effect.enqueued)} -{len(effect.removed)} mark={effect.position}"
     if isinstance(effect, WriteLog):
@@ -1358,6 +1368,8 @@ class ReplicaCore:
             self.expected_winner = (winner, claims[winner])
             return []
         me, epoch = self.node, record.master_epoch
+        if not self.durable and epoch > 0:  # epoch 0: a new queue, never served yet
+            return self._delete_transient(epoch, now_ms)
 
         def take(current: QueueRecord) -> QueueRecord | None:
             current_claims = {n: Claim.decode(t) for n, t in current.recovery_positions.items()}
@@ -1389,6 +1401,21 @@ class ReplicaCore:
         self._taking_over = True
         self._take_from_epoch = epoch
         return [UpdateRecord(take, f"recover the queue from this node's log ({self.log_claim.encode()})")]
+
+    def _delete_transient(self, epoch: int, now_ms: int) -> list[Effect]:
+        """A transient queue that no master serves and whose replicas all started again (none kept
+        running with its messages, or it would have been promoted) is gone, as in RabbitMQ: the
+        winner of the election deletes its record, guarded by the epoch it saw, instead of taking it."""
+        me = self.node
+
+        def still(current: QueueRecord) -> bool:
+            return current.master_epoch == epoch and me in current.recovery_positions
+
+        self._taking_over = True
+        return [
+            *self._event(now_ms, "deleted", "transient queue: every replica restarted and its messages are gone"),
+            DeleteRecord(still, "delete the transient queue: no replica kept its messages"),
+        ]
 
     def _become_master_from_log(self, now_ms: int) -> list[Effect]:
         self._taking_over = False

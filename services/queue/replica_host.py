@@ -2,7 +2,7 @@
 a consumer.
 
 Responsible for: the contract between a replica and its node (services/queue/manager.py implements it):
-creating the replica's GM member, compare-and-set updates of its queue record, dead letters, where
+creating the replica's GM member, compare-and-set updates and deletes of its queue record, dead letters, where
 its log lives, the node's disk alarm, and hearing that the replica stopped (so that it is recreated).
 """
 
@@ -35,6 +35,8 @@ class ReplicaHost(Protocol):
     async def update_record(
         self, record: QueueRecord, change: Callable[[QueueRecord], QueueRecord | None]
     ) -> QueueRecord: ...
+
+    async def delete_record(self, record: QueueRecord, still: Callable[[QueueRecord], bool]) -> None: ...
 
     async def dead_letter(self, vhost: str, queue: str, bodies: list[Publish]) -> None: ...
 

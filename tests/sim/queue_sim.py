@@ -32,6 +32,7 @@ from services.queue.replica_core import (
     AppendToLog,
     Broadcast,
     CompleteStep,
+    DeleteRecord,
     DiscardLog,
     Effect,
     EndConsumers,
@@ -471,6 +472,8 @@ class SimReplica:
             sim.scheduler.at(300, lambda: self._retry_disk(300))
         elif isinstance(effect, UpdateRecord):
             sim.update_record(self.node.name, effect, self)
+        elif isinstance(effect, DeleteRecord):
+            raise AssertionError(f"a replica of the durable queue deleted it: {effect.purpose}")
         elif isinstance(effect, CompleteStep):
             sim.checker.on_step_complete(self, effect)
             sim.producer.step_complete(self, effect.step_id, effect.confirmed)
