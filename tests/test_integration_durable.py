@@ -100,6 +100,7 @@ async def _scenario(directory: Path) -> dict[str, float]:
 async def _wait_until_deleted(client: aio.Connection, queue: str, seconds: float) -> None:
     deadline = time.monotonic() + seconds
     while True:
+        status: object
         try:
             status = await client.queue_status(queue)
         except grpc.aio.AioRpcError as error:
