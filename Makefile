@@ -22,7 +22,7 @@ BUF_VERSION := 1.75.0
 BUF := $(VENV)/buf/node_modules/.bin/buf
 PROTO_RELEASE := protos/releases/v0.1.binpb
 
-.PHONY: all setup setup-node setup-zookeeper setup-rabbitmq protos lint test sim sim-queues demo demo-ring bench bench-gm bench-tracing bench-security bench-reference clean
+.PHONY: all setup setup-node setup-zookeeper setup-rabbitmq protos lint lint-k8s test sim sim-queues demo demo-ring bench bench-gm bench-tracing bench-security bench-reference clean
 
 all: test
 
@@ -71,7 +71,26 @@ bench-reference: setup setup-rabbitmq
 $(BUF): | $(VENV)/.stamp-install
 	npm install --prefix $(VENV)/buf --no-save --no-audit --no-fund --silent @bufbuild/buf@$(BUF_VERSION)
 
-lint: setup $(BUF)
+# The Kubernetes manifests (deploy/kubernetes) against the API schemas kubernetes-validate ships (a dev
+# dependency), strictly (an unknown field is an error), for the oldest Kubernetes they are for and the
+# newest the validator knows; with kubectl on the PATH, the kustomization as rendered too. In quiet mode
+# the validator prints only problems, and a kind it has no schema for is only a warning: any output fails.
+K8S_DIR := deploy/kubernetes
+K8S_MANIFESTS := $(filter-out %/kustomization.yaml,$(wildcard $(K8S_DIR)/*.yaml))
+K8S_VERSIONS := 1.29.0 1.37.0
+K8S_VALIDATE := $(VENV)/bin/kubernetes-validate --strict --quiet $(addprefix -k ,$(K8S_VERSIONS))
+
+lint-k8s: $(VENV)/.stamp-install
+	@out=$$($(K8S_VALIDATE) $(K8S_MANIFESTS) 2>&1) && [ -z "$$out" ] || { echo "$$out"; exit 1; }
+	@if command -v kubectl >/dev/null 2>&1; then \
+	  kubectl kustomize $(K8S_DIR) > $(VENV)/kubernetes-rendered.yaml && \
+	  out=$$($(K8S_VALIDATE) $(VENV)/kubernetes-rendered.yaml 2>&1) && [ -z "$$out" ] || { echo "$$out"; exit 1; }; \
+	  echo "lint-k8s: $(words $(K8S_MANIFESTS)) manifests and the rendered kustomization valid for Kubernetes $(K8S_VERSIONS)"; \
+	else \
+	  echo "lint-k8s: $(words $(K8S_MANIFESTS)) manifests valid for Kubernetes $(K8S_VERSIONS) (no kubectl: kustomization not rendered)"; \
+	fi
+
+lint: setup $(BUF) lint-k8s
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy
 	$(BUF) lint
