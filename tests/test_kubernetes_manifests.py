@@ -359,6 +359,13 @@ def test_the_kustomization_renders_and_validates() -> None:
 # ---------------------------------------------------------------------------------------------- kustomization, images
 
 
+def test_the_readme_describes_every_file() -> None:
+    readme = (K8S / "README.md").read_text(encoding="utf-8")
+    for path in sorted(K8S.iterdir()):
+        if path.name != "README.md":
+            assert f"| `{path.name}` |" in readme, path.name
+
+
 def test_the_kustomization_lists_every_manifest_and_names_the_namespace() -> None:
     assert sorted(kustomization()["resources"]) == [path.name for path in manifest_files()]
     assert find("Namespace", namespace())
