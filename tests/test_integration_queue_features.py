@@ -170,3 +170,32 @@ def test_queue_arguments_bound_a_queue_with_its_policy_and_bad_ones_are_refused(
             assert absent.value.code() == grpc.StatusCode.NOT_FOUND, "a refused declare made the queue"
 
     asyncio.run(scenario())
+
+
+def test_a_deleted_queue_confirms_and_delivers_nothing_once_the_delete_has_returned(nodes: list[str]) -> None:
+    """delete_queue returned before the queue stopped: publishes were confirmed, and delivered, a few ms
+    later. The master now stops serving the queue before it answers."""
+
+    async def scenario() -> None:
+        for attempt in range(5):
+            async with aio.Connection(nodes) as client, aio.Connection(nodes) as admin:
+                queue = f"deleted.{attempt}"
+                await client.declare_queue(queue)
+                producer = client.producer(queue, publisher_id="p")
+                assert await producer.publish(b"before") is aio.Outcome.CONFIRMED  # the stream reaches the master
+                consumer = client.consumer(queue, prefetch=10)
+                first = await asyncio.wait_for(anext(aiter(consumer)), 10)
+                assert first.body == b"before"
+                await admin.delete_queue(queue)
+                with pytest.raises(grpc.aio.AioRpcError) as refused:
+                    await producer.publish(b"after")
+                assert refused.value.code() in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.UNAVAILABLE)
+                late: list[bytes] = []
+                with pytest.raises(grpc.aio.AioRpcError) as ended:
+                    async for delivery in consumer:  # the stream ends; reattaching finds no queue
+                        late.append(delivery.body)
+                assert ended.value.code() == grpc.StatusCode.NOT_FOUND, ended.value
+                assert late == [], "a message was delivered after the delete returned"
+                await producer.close()
+
+    asyncio.run(scenario())

@@ -122,6 +122,10 @@ class QueueManager:
                 log.info("the coordinator's queue watch was interrupted (%s): resuming", error.code().name)
             await asyncio.sleep(0.2)
 
+    async def forget(self, key: str) -> None:
+        """The queue of record key `key` was deleted: stop its replica here and forget everything kept for it."""
+        await self._drop_key(key)
+
     async def _drop_key(self, key: str) -> None:
         """The queue was deleted: stop its replica here and forget everything kept for it."""
         for queue_key, replica in list(self.replicas.items()):

@@ -144,6 +144,8 @@ class QueueReplica:
                 future.set_exception(ConnectionAbortedError(f"queue {self.record.name}: the replica stopped"))
         self._waiters.clear()
         for consumer in self.consumers.values():
+            while not consumer.deliveries.empty():  # not sent yet: the next master delivers them again
+                consumer.deliveries.get_nowait()
             consumer.deliveries.put_nowait(None)
         for task in self._tasks:
             task.cancel()
@@ -224,8 +226,13 @@ class QueueReplica:
         await done
 
     def _waiter(self, step_id: int, value: object) -> asyncio.Future[object]:
+        """A future for step `step_id`'s completion; failed at once if the replica has stopped (a caller still
+        holding it, e.g. a publish stream that routed here before, must not wait for ever: it retries)."""
         future: asyncio.Future[object] = asyncio.get_running_loop().create_future()
-        self._waiters[step_id] = (future, value)
+        if self.stopped:
+            future.set_exception(ConnectionAbortedError(f"queue {self.record.name}: the replica stopped"))
+        else:
+            self._waiters[step_id] = (future, value)
         return future
 
     # ---------------------------------------------------------------- inputs from the ring and the disk

@@ -323,6 +323,9 @@ class QueueServicer(queue_pb2_grpc.QueueServiceServicer):
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"queue {record.name!r} is not empty")
         depth = master.contents.depth
         await self._delete(context, record)
+        # Stop serving it here before answering: once the caller hears "deleted", no publish is confirmed
+        # and no message delivered (the other replicas stop as the coordinator's watch tells them).
+        await self.manager.forget(record.key)
         return queue_pb2.QueueDeleteResponse(messages_deleted=depth)
 
     async def PurgeQueue(self, request: queue_pb2.QueueRef, context: _Context) -> queue_pb2.PurgeQueueResponse:
