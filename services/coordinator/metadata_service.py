@@ -1,5 +1,7 @@
 """The coordinator's metadata RPCs: nodes and liveness, cluster status, policies,
-queue records, leases and Watch (mixed into server.CoordinatorServicer).
+queue records, leases and Watch (mixed into server.CoordinatorServicer). Cluster
+status, draining, policies and the listings of queues and leases are AdminService
+methods; the rest are CoordinatorService's.
 
 Responsible for: validating requests, running the metadata rules
 (metadata.py, records.py) in a worker thread, and mapping their outcomes to
@@ -101,7 +103,8 @@ async def act_for(context: _Context, node: str) -> None:
 
 
 class MetadataRpcs:
-    """The metadata half of CoordinatorService; needs `_store`, `_feed`, `_liveness_ms`, `_load_cache` and `_passes`."""
+    """The metadata RPCs of CoordinatorService and AdminService; needs `_store`, `_feed`, `_liveness_ms`,
+    `_load_cache` and `_passes`."""
 
     _store: Store
     _feed: ChangeFeed
