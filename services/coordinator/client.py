@@ -23,6 +23,7 @@ from ringq.internal.v1 import coordinator_pb2, coordinator_pb2_grpc
 from ringq.keepalive import CHANNEL_KEEPALIVE
 from ringq.v1 import admin_pb2_grpc, cluster_pb2
 from services.coordinator.convert import (
+    ChangeResponse,
     change_to_request,
     group_from_proto,
     outcome_from_proto,
@@ -115,6 +116,7 @@ class CoordinatorClient:
 
     async def change_group(self, name: str, change: GroupChange) -> tuple[Outcome, Group]:
         request = change_to_request(name, change)
+        response: ChangeResponse
         if isinstance(request, coordinator_pb2.CreateGroupRequest):
             response = await self._call(lambda stub: stub.CreateGroup, request)
         elif isinstance(request, coordinator_pb2.AddMemberRequest):
@@ -183,7 +185,7 @@ class CoordinatorClient:
     async def delete_queue(self, vhost: str, name: str) -> None:
         await self._call(lambda stub: stub.DeleteQueue, coordinator_pb2.DeleteQueueRequest(vhost=vhost, name=name))
 
-    async def watch(self, kinds: Sequence[str], after_revision: int) -> AsyncIterator[coordinator_pb2.WatchEvent]:
+    async def watch(self, kinds: Sequence[str], after_revision: int) -> AsyncIterator[coordinator_pb2.WatchResponse]:
         """Changes of `kinds` after `after_revision`, from the current coordinator. The
         stream ends with an error if that coordinator goes; the next call goes elsewhere."""
         request = coordinator_pb2.WatchRequest(kinds=kinds, after_revision=after_revision)

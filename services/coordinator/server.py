@@ -160,23 +160,27 @@ class CoordinatorServicer(
 
     async def CreateGroup(
         self, request: coordinator_pb2.CreateGroupRequest, context: _Context
-    ) -> coordinator_pb2.GroupChangeResponse:
-        return await self._change(request, context)
+    ) -> coordinator_pb2.CreateGroupResponse:
+        outcome, group = await self._change(request, context)
+        return coordinator_pb2.CreateGroupResponse(outcome=outcome, group=group)
 
     async def AddMember(
         self, request: coordinator_pb2.AddMemberRequest, context: _Context
-    ) -> coordinator_pb2.GroupChangeResponse:
-        return await self._change(request, context)
+    ) -> coordinator_pb2.AddMemberResponse:
+        outcome, group = await self._change(request, context)
+        return coordinator_pb2.AddMemberResponse(outcome=outcome, group=group)
 
     async def MarkMemberDead(
         self, request: coordinator_pb2.MarkMemberDeadRequest, context: _Context
-    ) -> coordinator_pb2.GroupChangeResponse:
-        return await self._change(request, context)
+    ) -> coordinator_pb2.MarkMemberDeadResponse:
+        outcome, group = await self._change(request, context)
+        return coordinator_pb2.MarkMemberDeadResponse(outcome=outcome, group=group)
 
     async def EraseMembers(
         self, request: coordinator_pb2.EraseMembersRequest, context: _Context
-    ) -> coordinator_pb2.GroupChangeResponse:
-        return await self._change(request, context)
+    ) -> coordinator_pb2.EraseMembersResponse:
+        outcome, group = await self._change(request, context)
+        return coordinator_pb2.EraseMembersResponse(outcome=outcome, group=group)
 
     async def RegisterNode(
         self, request: coordinator_pb2.RegisterNodeRequest, context: _Context
@@ -199,12 +203,15 @@ class CoordinatorServicer(
             nodes=[node_to_proto(n, self._alive(n.last_heartbeat_unix_ms)) for n in nodes]
         )
 
-    async def _change(self, request: ChangeRequest, context: _Context) -> coordinator_pb2.GroupChangeResponse:
+    async def _change(
+        self, request: ChangeRequest, context: _Context
+    ) -> tuple[coordinator_pb2.GroupChangeOutcome.ValueType, group_table_pb2.Group]:
+        """The outcome of a group change and the group after it, as every group change answers them."""
         await _reject(context, change_problem(request))
         name, change = change_from_request(request)
         await act_for(context, _acting_node(change))
         outcome, group = await _run(context, records.change_group, self._store, name, change)
-        return coordinator_pb2.GroupChangeResponse(outcome=outcome_to_proto(outcome), group=group_to_proto(group))
+        return outcome_to_proto(outcome), group_to_proto(group)
 
 
 async def _run(context: _Context, call: Callable[_P, _T], *args: _P.args, **kwargs: _P.kwargs) -> _T:
