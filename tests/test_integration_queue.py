@@ -162,12 +162,12 @@ def test_bad_input_gets_clear_statuses(shared_cluster: cluster.ClusterInfo) -> N
     async def scenario() -> None:
         client = _client(shared_cluster, "node2")
         stub = client.stub()
-        code, message = await _code(stub.QueueStatus(client.ref("no-such-queue")))
+        code, message = await _code(stub.QueueStatus(queue_pb2.QueueStatusRequest(queue=client.ref("no-such-queue"))))
         assert code == grpc.StatusCode.NOT_FOUND and "no-such-queue" in message
         await client.declare_queue("strict", durable=True)
-        code, message = await _code(stub.DeclareQueue(queue_pb2.QueueDeclareRequest(queue=client.ref("strict"))))
+        code, message = await _code(stub.DeclareQueue(queue_pb2.DeclareQueueRequest(queue=client.ref("strict"))))
         assert code == grpc.StatusCode.FAILED_PRECONDITION and "durable" in message
-        declare = queue_pb2.QueueDeclareRequest(queue=client.ref("x"), arguments={"x-max-length": "ten"})
+        declare = queue_pb2.DeclareQueueRequest(queue=client.ref("x"), arguments={"x-max-length": "ten"})
         code, message = await _code(stub.DeclareQueue(declare))
         assert code == grpc.StatusCode.INVALID_ARGUMENT and "x-max-length" in message
         settle = queue_pb2.SettleRequest(
