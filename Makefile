@@ -17,10 +17,11 @@ GEN_INTERNAL := clients/python/ringq/internal/v1
 PROTOS := $(wildcard protos/ringq/v1/*.proto) $(wildcard protos/ringq/internal/v1/*.proto)
 SEEDS ?= 20000
 # buf (lint and breaking-change checks of protos/), from the npm registry, pinned; protos/releases holds
-# the image of each released API that `buf breaking` compares with.
+# the image of each released API (protos/releases/README.md says what each changed); `buf breaking`
+# compares with the newest.
 BUF_VERSION := 1.75.0
 BUF := $(VENV)/buf/node_modules/.bin/buf
-PROTO_RELEASE := protos/releases/v0.1.binpb
+PROTO_RELEASE := protos/releases/v0.2.binpb
 
 .PHONY: all setup setup-node setup-zookeeper setup-rabbitmq protos lint lint-k8s test sim sim-queues demo demo-ring bench bench-gm bench-tracing bench-security bench-reference clean
 

@@ -1,9 +1,10 @@
 """AdminService on a broker node: administration for clients, answered from the coordinator.
 
 Responsible for: serving ringqctl and the SDKs' Admin on the node's client port, passing each
-request to the coordinator's RPC of the same name (asked by this node, with its identity over the
-cluster's mutual TLS) and the answer or failure back unchanged. Every AdminService method is served
-this way, so the two services cannot drift apart: a method without a coordinator twin fails at start.
+request to the same method of the coordinator's AdminService (asked by this node, with its identity
+over the cluster's mutual TLS) and the answer or failure back unchanged. Every AdminService method is
+served this way, with the service's own request and response types, so what a node serves cannot
+drift from what the coordinator answers.
 Guarantees: a client administers the cluster without reaching the coordinator, whose port serves only
 cluster members; a coordinator that cannot be reached answers UNAVAILABLE once the node's
 CoordinatorClient has tried every coordinator.
@@ -17,14 +18,12 @@ from typing import Any
 import grpc
 from google.protobuf import message_factory
 
-from ringq.internal.v1 import coordinator_pb2
 from ringq.v1 import admin_pb2
 from services.access import ADMINISTRATION, LISTING, POLICIES
 from services.access_guard import OPEN, AccessGuard
 from services.coordinator.client import CoordinatorClient
 
 ADMIN_SERVICE = admin_pb2.DESCRIPTOR.services_by_name["AdminService"]
-_COORDINATOR_SERVICE = coordinator_pb2.DESCRIPTOR.services_by_name["CoordinatorService"]
 
 
 # The tags a user needs for each method (services/access.py); methods not listed need administrator.
@@ -45,9 +44,6 @@ def admin_handler(coordinator: CoordinatorClient, access: AccessGuard = OPEN) ->
     """AdminService's handlers for `server.add_generic_rpc_handlers`; each checks the caller's tags first."""
     handlers = {}
     for method in ADMIN_SERVICE.methods:
-        twin = _COORDINATOR_SERVICE.methods_by_name.get(method.name)
-        if twin is None or twin.input_type is not method.input_type or twin.output_type is not method.output_type:
-            raise TypeError(f"AdminService.{method.name} has no CoordinatorService twin of the same types")
         request = message_factory.GetMessageClass(method.input_type)
         response = message_factory.GetMessageClass(method.output_type)
         handlers[method.name] = grpc.unary_unary_rpc_method_handler(
@@ -64,7 +60,7 @@ def _forwarder(coordinator: CoordinatorClient, access: AccessGuard, name: str) -
     async def forward(request: Any, context: Any) -> Any:
         await access.allow_tags(context, needed, f"call AdminService.{name}")
         try:
-            return await coordinator.call(lambda stub: getattr(stub, name), request)
+            return await coordinator.call_admin(lambda stub: getattr(stub, name), request)
         except grpc.aio.AioRpcError as error:
             await context.abort(error.code(), error.details() or "")
 

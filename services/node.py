@@ -456,11 +456,11 @@ class Node:
             member.report_down(suspect, evidence)
 
 
-def _events_to_proto(event: Deliver | MembersChanged) -> list[group_pb2.GroupEvent]:
+def _events_to_proto(event: Deliver | MembersChanged) -> list[group_pb2.JoinResponse]:
     if isinstance(event, MembersChanged):
         changed = group_pb2.MembersChanged(births=event.births, deaths=event.deaths, view_version=event.view_version)
-        return [group_pb2.GroupEvent(members_changed=changed)]
-    out: list[group_pb2.GroupEvent] = []
+        return [group_pb2.JoinResponse(members_changed=changed)]
+    out: list[group_pb2.JoinResponse] = []
     bodies = event.bodies
     start = 0
     while start < len(bodies):
@@ -471,7 +471,7 @@ def _events_to_proto(event: Deliver | MembersChanged) -> list[group_pb2.GroupEve
         delivery = group_pb2.Delivery(
             publisher=event.publisher, first_seq=event.first_seq + start, payloads=bodies[start:end]
         )
-        out.append(group_pb2.GroupEvent(delivery=delivery))
+        out.append(group_pb2.JoinResponse(delivery=delivery))
         start = end
     return out
 
@@ -486,7 +486,7 @@ class GroupServicer(group_pb2_grpc.GroupServiceServicer):
 
     async def Join(
         self, request: group_pb2.JoinRequest, context: grpc.aio.ServicerContext[Any, Any]
-    ) -> AsyncIterator[group_pb2.GroupEvent]:
+    ) -> AsyncIterator[group_pb2.JoinResponse]:
         problem = group_name_problem(request.group)
         if problem:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
@@ -511,7 +511,7 @@ class GroupServicer(group_pb2_grpc.GroupServiceServicer):
                         await context.abort(grpc.StatusCode.ABORTED, f"member {member.id} stopped: {event.reason}")
                     return
                 if isinstance(event, Joined):
-                    yield group_pb2.GroupEvent(
+                    yield group_pb2.JoinResponse(
                         joined=group_pb2.Joined(
                             member=member.id,
                             members=event.members,

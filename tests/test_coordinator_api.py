@@ -1,5 +1,5 @@
-"""The coordinator's metadata API over real gRPC (one in-process server per test),
-and `ringqctl` against a coordinator process."""
+"""The coordinator's metadata API over real gRPC (one in-process server per test; its
+CoordinatorService and AdminService on one channel), and `ringqctl` through a node."""
 
 from __future__ import annotations
 
@@ -14,21 +14,24 @@ from typing import Any
 import grpc
 
 from ringq.internal.v1 import coordinator_pb2, coordinator_pb2_grpc
-from ringq.v1 import cluster_pb2
+from ringq.v1 import admin_pb2, admin_pb2_grpc, cluster_pb2
 from services import cluster
 from services.coordinator.server import create_server
 from services.coordinator.sqlite_store import SqliteStore
 
 Stub = coordinator_pb2_grpc.CoordinatorServiceStub
+AdminStub = admin_pb2_grpc.AdminServiceStub
 
 
-def run(tmp_path: Path, scenario: Callable[[Any], Awaitable[None]]) -> None:
+def run(tmp_path: Path, scenario: Callable[[Any, Any], Awaitable[None]]) -> None:
+    """`scenario(stub, admin)`: the coordinator's CoordinatorService and AdminService stubs."""
+
     async def main() -> None:
         store = SqliteStore(str(tmp_path / "coordinator.db"))
         server, port = await create_server("127.0.0.1:0", store, liveness_ms=2000)
         try:
             async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-                await scenario(Stub(channel))
+                await scenario(Stub(channel), AdminStub(channel))
         finally:
             await server.stop(None)
             store.close()
@@ -56,40 +59,47 @@ def _policy(name: str, pattern: str, definition: dict[str, Any], priority: int =
     )
 
 
+def test_no_method_name_is_in_both_services_the_coordinator_serves() -> None:
+    """One servicer serves CoordinatorService and AdminService: a name in both would answer both with one method."""
+    coordinator = coordinator_pb2.DESCRIPTOR.services_by_name["CoordinatorService"].methods_by_name
+    admin = admin_pb2.DESCRIPTOR.services_by_name["AdminService"].methods_by_name
+    assert not set(coordinator) & set(admin)
+
+
 def test_policies_are_validated_stored_and_applied_to_queues(tmp_path: Path) -> None:
-    async def scenario(stub: Any) -> None:
+    async def scenario(stub: Any, admin: Any) -> None:
         await _live_nodes(stub, "n1", "n2", "n3")
         declared = await stub.DeclareQueue(coordinator_pb2.DeclareQueueRequest(name="ha.orders", durable=True))
         assert declared.queue.mirrors == [] and declared.queue.master in {"n1", "n2", "n3"}
         code, message = await _code(
-            stub.SetPolicy(cluster_pb2.SetPolicyRequest(policy=_policy("x", "^ha", {"ha-mode": "most"})))
+            admin.SetPolicy(cluster_pb2.SetPolicyRequest(policy=_policy("x", "^ha", {"ha-mode": "most"})))
         )
         assert code == grpc.StatusCode.INVALID_ARGUMENT and "ha-mode" in message
         code, message = await _code(
-            stub.SetPolicy(cluster_pb2.SetPolicyRequest(policy=_policy("x", "(", {"ha-mode": "all"})))
+            admin.SetPolicy(cluster_pb2.SetPolicyRequest(policy=_policy("x", "(", {"ha-mode": "all"})))
         )
         assert code == grpc.StatusCode.INVALID_ARGUMENT and message.startswith("pattern")
         bad_json = cluster_pb2.Policy(vhost="/", name="x", pattern=".", definition_json="{nope")
-        code, message = await _code(stub.SetPolicy(cluster_pb2.SetPolicyRequest(policy=bad_json)))
+        code, message = await _code(admin.SetPolicy(cluster_pb2.SetPolicyRequest(policy=bad_json)))
         assert code == grpc.StatusCode.INVALID_ARGUMENT and "definition" in message
-        listed = await stub.ListPolicies(cluster_pb2.ListPoliciesRequest())
+        listed = await admin.ListPolicies(cluster_pb2.ListPoliciesRequest())
         assert list(listed.policies) == [], "nothing is stored for a refused policy"
-        response = await stub.SetPolicy(
+        response = await admin.SetPolicy(
             cluster_pb2.SetPolicyRequest(policy=_policy("all", "^ha\\.", {"ha-mode": "all"}))
         )
         assert response.queues_changed == 1
         queue = (await stub.GetQueue(coordinator_pb2.GetQueueRequest(name="ha.orders"))).queue
         assert queue.policy == "all" and len(queue.mirrors) == 2
-        cleared = await stub.ClearPolicy(cluster_pb2.ClearPolicyRequest(vhost="/", name="all"))
+        cleared = await admin.ClearPolicy(cluster_pb2.ClearPolicyRequest(vhost="/", name="all"))
         assert cleared.queues_changed == 1
-        code, _ = await _code(stub.ClearPolicy(cluster_pb2.ClearPolicyRequest(vhost="/", name="all")))
+        code, _ = await _code(admin.ClearPolicy(cluster_pb2.ClearPolicyRequest(vhost="/", name="all")))
         assert code == grpc.StatusCode.NOT_FOUND
 
     run(tmp_path, scenario)
 
 
 def test_queue_records_are_compare_and_set(tmp_path: Path) -> None:
-    async def scenario(stub: Any) -> None:
+    async def scenario(stub: Any, admin: Any) -> None:
         await _live_nodes(stub, "n1")
         queue = (await stub.DeclareQueue(coordinator_pb2.DeclareQueueRequest(name="q", durable=True))).queue
         code, message = await _code(stub.DeclareQueue(coordinator_pb2.DeclareQueueRequest(name="q", durable=False)))
@@ -108,13 +118,13 @@ def test_queue_records_are_compare_and_set(tmp_path: Path) -> None:
         )
         assert code == grpc.StatusCode.ABORTED
         await stub.DeleteQueue(coordinator_pb2.DeleteQueueRequest(name="q"))
-        assert list((await stub.ListQueues(cluster_pb2.ListQueuesRequest())).queues) == []
+        assert list((await admin.ListQueues(cluster_pb2.ListQueuesRequest())).queues) == []
 
     run(tmp_path, scenario)
 
 
 def test_a_queue_needs_a_live_node(tmp_path: Path) -> None:
-    async def scenario(stub: Any) -> None:
+    async def scenario(stub: Any, admin: Any) -> None:
         await stub.RegisterNode(coordinator_pb2.RegisterNodeRequest(node="n1", address="127.0.0.1:1"))  # no heartbeat
         code, message = await _code(stub.DeclareQueue(coordinator_pb2.DeclareQueueRequest(name="q")))
         assert code == grpc.StatusCode.UNAVAILABLE and "no node can take the queue" in message
@@ -123,7 +133,7 @@ def test_a_queue_needs_a_live_node(tmp_path: Path) -> None:
 
 
 def test_leases_and_the_fencing_check(tmp_path: Path) -> None:
-    async def scenario(stub: Any) -> None:
+    async def scenario(stub: Any, admin: Any) -> None:
         lease = (
             await stub.AcquireLease(coordinator_pb2.AcquireLeaseRequest(name="s/producer", holder="p1", ttl_ms=300))
         ).lease
@@ -151,7 +161,7 @@ def test_leases_and_the_fencing_check(tmp_path: Path) -> None:
 
 
 def test_watch_streams_changes_of_the_kinds_asked_for(tmp_path: Path) -> None:
-    async def scenario(stub: Any) -> None:
+    async def scenario(stub: Any, admin: Any) -> None:
         await _live_nodes(stub, "n1")
         code, message = await _code(_first(stub.Watch(coordinator_pb2.WatchRequest(kinds=["queues"]))))
         assert code == grpc.StatusCode.INVALID_ARGUMENT and "queues" in message
@@ -168,7 +178,7 @@ def test_watch_streams_changes_of_the_kinds_asked_for(tmp_path: Path) -> None:
         await asyncio.sleep(0.2)
         await stub.AcquireLease(coordinator_pb2.AcquireLeaseRequest(name="not-watched", holder="p", ttl_ms=1000))
         await stub.DeclareQueue(coordinator_pb2.DeclareQueueRequest(name="q"))
-        await stub.SetPolicy(cluster_pb2.SetPolicyRequest(policy=_policy("p", "^q", {"max-length": 5})))
+        await admin.SetPolicy(cluster_pb2.SetPolicyRequest(policy=_policy("p", "^q", {"max-length": 5})))
         await asyncio.wait_for(collecting, 10)
         call.cancel()
         assert [e.kind for e in events] == ["queue", "policy", "queue"]
@@ -185,14 +195,14 @@ async def _first(stream: AsyncIterator[Any]) -> Any:
 
 
 def test_cluster_status_shows_liveness_coordinators_and_store(tmp_path: Path) -> None:
-    async def scenario(stub: Any) -> None:
+    async def scenario(stub: Any, admin: Any) -> None:
         await _live_nodes(stub, "n1")
         await stub.RegisterNode(coordinator_pb2.RegisterNodeRequest(node="n2", address="127.0.0.1:12"))
-        await stub.SetNodeDraining(cluster_pb2.SetNodeDrainingRequest(node="n2", draining=True))
-        code, _ = await _code(stub.SetNodeDraining(cluster_pb2.SetNodeDrainingRequest(node="nope", draining=True)))
+        await admin.SetNodeDraining(cluster_pb2.SetNodeDrainingRequest(node="n2", draining=True))
+        code, _ = await _code(admin.SetNodeDraining(cluster_pb2.SetNodeDrainingRequest(node="nope", draining=True)))
         assert code == grpc.StatusCode.NOT_FOUND
         await asyncio.sleep(0.1)
-        status = await stub.ClusterStatus(cluster_pb2.ClusterStatusRequest())
+        status = await admin.ClusterStatus(cluster_pb2.ClusterStatusRequest())
         assert [(n.node, n.alive, n.draining) for n in status.nodes] == [("n1", True, False), ("n2", False, True)]
         assert status.store_kind == "sqlite" and status.coordinators and status.coordinators[0].alive
 

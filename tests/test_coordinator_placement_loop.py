@@ -62,8 +62,8 @@ async def _queue(stub: Any, name: str) -> Any:
     return (await stub.GetQueue(coordinator_pb2.GetQueueRequest(name=name))).queue
 
 
-async def _declared(stub: Any, name: str, policy: dict[str, Any], mirrors: Collection[str]) -> Any:
-    await stub.SetPolicy(cluster_pb2.SetPolicyRequest(policy=_policy("p", f"^{name}$", policy)))
+async def _declared(stub: Any, admin: Any, name: str, policy: dict[str, Any], mirrors: Collection[str]) -> Any:
+    await admin.SetPolicy(cluster_pb2.SetPolicyRequest(policy=_policy("p", f"^{name}$", policy)))
     request = coordinator_pb2.DeclareQueueRequest(name=name, preferred_master="n1")
     queue = (await stub.DeclareQueue(request)).queue
     assert (queue.master, list(queue.mirrors)) == ("n1", list(mirrors))
@@ -89,9 +89,9 @@ async def _until_mirrors(stub: Any, name: str, mirrors: list[str], why: str) -> 
 
 
 def test_a_mirror_struck_from_a_node_that_stayed_alive_comes_back(tmp_path: Path) -> None:
-    async def scenario(stub: Any) -> None:
+    async def scenario(stub: Any, admin: Any) -> None:
         async with heartbeats(stub, ["n1", "n2"]) as beating:
-            queue = await _declared(stub, "ha.q", {"ha-mode": "all"}, ["n2"])
+            queue = await _declared(stub, admin, "ha.q", {"ha-mode": "all"}, ["n2"])
             await beating.add("n3")
             queue = await _until_mirrors(stub, "ha.q", ["n2", "n3"], "n3 joined: the placeable nodes changed")
             struck = await _strike(stub, queue, "n3")
@@ -104,9 +104,9 @@ def test_a_mirror_struck_from_a_node_that_stayed_alive_comes_back(tmp_path: Path
 
 
 def test_a_mirror_struck_from_a_silent_node_goes_to_another_node(tmp_path: Path) -> None:
-    async def scenario(stub: Any) -> None:
+    async def scenario(stub: Any, admin: Any) -> None:
         async with heartbeats(stub, NODES) as beating:
-            queue = await _declared(stub, "two.q", {"ha-mode": "exactly", "ha-params": 2}, ["n2"])
+            queue = await _declared(stub, admin, "two.q", {"ha-mode": "exactly", "ha-params": 2}, ["n2"])
             await beating.stop("n2")  # killed: still alive by its last heartbeat for the liveness timeout
             struck = await _strike(stub, queue, "n2")
             watch = stub.Watch(coordinator_pb2.WatchRequest(kinds=["queue"], after_revision=1))  # every change

@@ -18,7 +18,7 @@ import grpc
 import pytest
 
 from ringq.internal.v1 import coordinator_pb2, coordinator_pb2_grpc
-from ringq.v1 import cluster_pb2
+from ringq.v1 import admin_pb2_grpc, cluster_pb2
 
 pytestmark = pytest.mark.integration
 QUEUES = 2000
@@ -73,6 +73,7 @@ def test_six_concurrent_policy_changes_on_2000_queues_leave_every_other_call_ans
     async def scenario() -> dict[str, float]:
         async with grpc.aio.insecure_channel(coordinator) as channel:
             stub: Any = coordinator_pb2_grpc.CoordinatorServiceStub(channel)
+            admin: Any = admin_pb2_grpc.AdminServiceStub(channel)
             await _register(stub)
             beating = asyncio.ensure_future(_heartbeats(stub))
             try:
@@ -93,7 +94,7 @@ def test_six_concurrent_policy_changes_on_2000_queues_leave_every_other_call_ans
                     nonlocal slowest
                     while not finished:
                         asked = time.monotonic()
-                        await stub.ClusterStatus(cluster_pb2.ClusterStatusRequest(), timeout=10)
+                        await admin.ClusterStatus(cluster_pb2.ClusterStatusRequest(), timeout=10)
                         await stub.GetQueue(coordinator_pb2.GetQueueRequest(name="q7"), timeout=10)
                         slowest = max(slowest, time.monotonic() - asked)
                         await asyncio.sleep(0.05)
@@ -105,7 +106,7 @@ def test_six_concurrent_policy_changes_on_2000_queues_leave_every_other_call_ans
                     for i, d in enumerate(POLICY_DEFINITIONS)
                 ]
                 answers = await asyncio.wait_for(
-                    asyncio.gather(*(stub.SetPolicy(cluster_pb2.SetPolicyRequest(policy=p)) for p in policies)), 120
+                    asyncio.gather(*(admin.SetPolicy(cluster_pb2.SetPolicyRequest(policy=p)) for p in policies)), 120
                 )
                 policies_s = time.monotonic() - started
                 finished = True

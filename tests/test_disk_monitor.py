@@ -127,7 +127,7 @@ def test_heartbeats_keep_the_disk_report_with_the_node() -> None:
 
 
 def test_cluster_status_shows_each_nodes_disk(tmp_path: Path) -> None:
-    async def scenario(stub: Any) -> None:
+    async def scenario(stub: Any, admin: Any) -> None:
         for name in ("n1", "n2", "n3"):
             await stub.RegisterNode(coordinator_pb2.RegisterNodeRequest(node=name, address=f"127.0.0.1:1{name[-1]}"))
         full = coordinator_pb2.NodeHeartbeatRequest(
@@ -135,7 +135,7 @@ def test_cluster_status_shows_each_nodes_disk(tmp_path: Path) -> None:
         )
         await stub.NodeHeartbeat(full)
         await stub.NodeHeartbeat(coordinator_pb2.NodeHeartbeatRequest(node="n2"))  # an older node
-        status = await stub.ClusterStatus(cluster_pb2.ClusterStatusRequest())
+        status = await admin.ClusterStatus(cluster_pb2.ClusterStatusRequest())
         n1, n2, n3 = status.nodes
         assert (n1.disk_free_bytes, n1.disk_free_limit_bytes, n1.disk_alarm) == (12 * MEBIBYTE, 50 * MEBIBYTE, True)
         for silent in (n2, n3):

@@ -58,6 +58,7 @@ SERVICES = [
     ("cluster", peer_pb2.DESCRIPTOR.services_by_name["PeerService"]),
     ("node", admin_pb2.DESCRIPTOR.services_by_name["AdminService"]),
     ("coordinator", coordinator_pb2.DESCRIPTOR.services_by_name["CoordinatorService"]),
+    ("coordinator", admin_pb2.DESCRIPTOR.services_by_name["AdminService"]),
 ]
 STRINGS = ["", "/", "..", "../../etc", "q", "ha.q", "a\x00b", "\n", "\u202e", "x" * 300, "é" * 200, "node1", "queue.x"]
 INTEGERS = [0, 1, -1, 2**31 - 1, -(2**31), 2**32 - 1, 2**63 - 1, -(2**63), 2**64 - 1]

@@ -137,7 +137,7 @@ def test_confirmed_messages_flow_over_tls_and_plaintext_clients_are_refused(secu
         async with grpc.aio.insecure_channel(addresses[0]) as channel:
             with pytest.raises(grpc.aio.AioRpcError) as refused:
                 await queue_pb2_grpc.QueueServiceStub(channel).QueueStatus(
-                    queue_pb2.QueueRef(vhost="/", queue=QUEUE), timeout=5
+                    queue_pb2.QueueStatusRequest(queue=queue_pb2.QueueRef(vhost="/", queue=QUEUE)), timeout=5
                 )
             assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
 

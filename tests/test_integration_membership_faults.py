@@ -234,7 +234,7 @@ class _GroupHistory:
 
     def __init__(self, coordinator: str, group: str) -> None:
         self.group = group
-        self.versions: list[coordinator_pb2.WatchEvent] = []
+        self.versions: list[coordinator_pb2.WatchResponse] = []
         self.missed = False  # the coordinator no longer had some changes: the history has a hole
         self._channel = grpc.aio.insecure_channel(coordinator)
         self._task = asyncio.ensure_future(self._follow())

@@ -21,8 +21,7 @@ import grpc
 import pytest
 
 from ringq import aio
-from ringq.internal.v1 import coordinator_pb2_grpc
-from ringq.v1 import cluster_pb2
+from ringq.v1 import admin_pb2_grpc, cluster_pb2
 from services import cluster
 from tests.test_integration_durable import _wait_for_status
 from tests.test_integration_queue import _client, _start
@@ -34,7 +33,7 @@ MESSAGES = 200
 async def _set_policy(info: cluster.ClusterInfo, name: str, pattern: str, definition: dict[str, object]) -> None:
     policy = cluster_pb2.Policy(vhost="/", name=name, pattern=pattern, definition_json=json.dumps(definition))
     async with grpc.aio.insecure_channel(info.coordinator.address) as channel:
-        stub = coordinator_pb2_grpc.CoordinatorServiceStub(channel)
+        stub = admin_pb2_grpc.AdminServiceStub(channel)
         await stub.SetPolicy(cluster_pb2.SetPolicyRequest(policy=policy))
 
 

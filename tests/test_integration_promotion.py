@@ -21,8 +21,7 @@ import grpc
 import pytest
 
 from ringq import aio
-from ringq.internal.v1 import coordinator_pb2_grpc
-from ringq.v1 import cluster_pb2, queue_pb2
+from ringq.v1 import admin_pb2_grpc, cluster_pb2, queue_pb2
 from services import cluster
 from tests.clusters import NODE_ARGS, every_node_live
 
@@ -33,9 +32,7 @@ MESSAGES = 500
 async def _policy(info: cluster.ClusterInfo, definition: dict[str, object]) -> None:
     policy = cluster_pb2.Policy(vhost="/", name="ha", pattern="^ha\\.", definition_json=json.dumps(definition))
     async with grpc.aio.insecure_channel(info.coordinator.address) as channel:
-        await coordinator_pb2_grpc.CoordinatorServiceStub(channel).SetPolicy(
-            cluster_pb2.SetPolicyRequest(policy=policy)
-        )
+        await admin_pb2_grpc.AdminServiceStub(channel).SetPolicy(cluster_pb2.SetPolicyRequest(policy=policy))
 
 
 async def _unsynchronised_mirrors(directory: Path, promote: str) -> tuple[cluster.ClusterInfo, aio.Connection]:

@@ -22,8 +22,7 @@ import grpc
 import pytest
 
 from ringq import aio
-from ringq.internal.v1 import coordinator_pb2_grpc
-from ringq.v1 import cluster_pb2, queue_pb2
+from ringq.v1 import admin_pb2_grpc, cluster_pb2, queue_pb2
 from services import cluster
 from services.queue.service import MAX_DELIVERIES_PER_RESPONSE
 from tests.clusters import NODE_ARGS, every_node_live
@@ -38,7 +37,7 @@ async def _start(directory: Path, node_args: list[str] | None = None) -> cluster
     definition = {"ha-mode": "all", "ha-sync-mode": "automatic"}
     policy = cluster_pb2.Policy(vhost="/", name="ha", pattern="^ha\\.", definition_json=json.dumps(definition))
     async with grpc.aio.insecure_channel(info.coordinator.address) as channel:
-        stub = coordinator_pb2_grpc.CoordinatorServiceStub(channel)
+        stub = admin_pb2_grpc.AdminServiceStub(channel)
         await stub.SetPolicy(cluster_pb2.SetPolicyRequest(policy=policy))
     await every_node_live(info)
     return info
@@ -163,12 +162,12 @@ def test_bad_input_gets_clear_statuses(shared_cluster: cluster.ClusterInfo) -> N
     async def scenario() -> None:
         client = _client(shared_cluster, "node2")
         stub = client.stub()
-        code, message = await _code(stub.QueueStatus(client.ref("no-such-queue")))
+        code, message = await _code(stub.QueueStatus(queue_pb2.QueueStatusRequest(queue=client.ref("no-such-queue"))))
         assert code == grpc.StatusCode.NOT_FOUND and "no-such-queue" in message
         await client.declare_queue("strict", durable=True)
-        code, message = await _code(stub.DeclareQueue(queue_pb2.QueueDeclareRequest(queue=client.ref("strict"))))
+        code, message = await _code(stub.DeclareQueue(queue_pb2.DeclareQueueRequest(queue=client.ref("strict"))))
         assert code == grpc.StatusCode.FAILED_PRECONDITION and "durable" in message
-        declare = queue_pb2.QueueDeclareRequest(queue=client.ref("x"), arguments={"x-max-length": "ten"})
+        declare = queue_pb2.DeclareQueueRequest(queue=client.ref("x"), arguments={"x-max-length": "ten"})
         code, message = await _code(stub.DeclareQueue(declare))
         assert code == grpc.StatusCode.INVALID_ARGUMENT and "x-max-length" in message
         settle = queue_pb2.SettleRequest(

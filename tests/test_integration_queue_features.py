@@ -16,8 +16,7 @@ import grpc
 import pytest
 
 from ringq import aio
-from ringq.internal.v1 import coordinator_pb2_grpc
-from ringq.v1 import cluster_pb2
+from ringq.v1 import admin_pb2_grpc, cluster_pb2
 from services import cluster
 from tests.clusters import NODE_ARGS, every_node_live
 
@@ -38,7 +37,7 @@ def nodes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[str]]:
 
     async def setup() -> None:
         async with grpc.aio.insecure_channel(info.coordinator.address) as channel:
-            stub = coordinator_pb2_grpc.CoordinatorServiceStub(channel)
+            stub = admin_pb2_grpc.AdminServiceStub(channel)
             for name, (pattern, definition) in POLICIES.items():
                 policy = cluster_pb2.Policy(
                     vhost="/", name=name, pattern=pattern, definition_json=json.dumps(definition)

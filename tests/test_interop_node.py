@@ -141,7 +141,8 @@ def _ref(queue: str) -> queue_pb2.QueueRef:
 async def _wait_for_depth_zero(stub: Any, queue: str, timeout: float = 10.0) -> queue_pb2.QueueInfo:
     deadline = time.monotonic() + timeout
     while True:
-        info: queue_pb2.QueueInfo = await stub.QueueStatus(_ref(queue), timeout=5)
+        response = await stub.QueueStatus(queue_pb2.QueueStatusRequest(queue=_ref(queue)), timeout=5)
+        info: queue_pb2.QueueInfo = response.queue
         if info.depth == 0 or time.monotonic() > deadline:
             return info
         await asyncio.sleep(0.05)
@@ -197,7 +198,7 @@ def test_python_publishes_node_consumes_and_acks_on_its_stream(node: str, secure
     async def publish() -> dict[int, int]:
         async with secure.channel(addresses[0]) as channel:
             stub: Any = secure.stub(channel)
-            await stub.DeclareQueue(queue_pb2.QueueDeclareRequest(queue=_ref(queue)), timeout=10)
+            await stub.DeclareQueue(queue_pb2.DeclareQueueRequest(queue=_ref(queue)), timeout=10)
             call = stub.Publish()
             for start in range(0, COUNT, 100):
                 messages = [
@@ -225,7 +226,10 @@ def test_python_publishes_node_consumes_and_acks_on_its_stream(node: str, secure
         async with secure.channel(addresses[1]) as channel:
             stub: Any = secure.stub(channel)
             deadline = time.monotonic() + 10
-            while (info := await stub.QueueStatus(_ref(queue), timeout=5)).consumers and time.monotonic() < deadline:
+            request = queue_pb2.QueueStatusRequest(queue=_ref(queue))
+            while (
+                info := (await stub.QueueStatus(request, timeout=5)).queue
+            ).consumers and time.monotonic() < deadline:
                 await asyncio.sleep(0.05)  # the Node consumer's stream is gone: its cancel is on the way
             result: queue_pb2.QueueInfo = info
             return result
@@ -242,8 +246,8 @@ def test_node_acking_an_unknown_delivery_tag_gets_failed_precondition(node: str,
     async def declare() -> None:
         async with secure.channel(addresses[0]) as channel:
             stub: Any = secure.stub(channel)
-            info = await stub.DeclareQueue(queue_pb2.QueueDeclareRequest(queue=_ref(queue)), timeout=10)
-            assert info.master_node == "node1"
+            declared = await stub.DeclareQueue(queue_pb2.DeclareQueueRequest(queue=_ref(queue)), timeout=10)
+            assert declared.queue.master_node == "node1"
 
     asyncio.run(declare())
     # node2 forwards to node1

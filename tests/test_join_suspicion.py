@@ -60,9 +60,9 @@ class MemoryCoordinator:
         outcome, self.groups[name] = group_table.apply(await self.read_group(name), change)
         return outcome, self.groups[name]
 
-    async def watch(self, kinds: list[str], after_revision: int) -> AsyncIterator[coordinator_pb2.WatchEvent]:
+    async def watch(self, kinds: list[str], after_revision: int) -> AsyncIterator[coordinator_pb2.WatchResponse]:
         await asyncio.Event().wait()  # no events: members read the table themselves
-        yield coordinator_pb2.WatchEvent()
+        yield coordinator_pb2.WatchResponse()
 
     async def close(self) -> None:
         pass

@@ -83,6 +83,8 @@ def test_the_coordinator_refuses_a_queue_whose_name_breaks_the_rule(
         good = metadata.declare_queue(store, QueueRecord("/", "good"), ["node1"])
         with pytest.raises(InvalidName, match="gm_group must not contain a control character"):
             metadata.update_queue(store, QueueRecord("/", "good", gm_group="x\n"), good.version)
+        with pytest.raises(ValueError, match="gm_group must not be empty"):
+            metadata.update_queue(store, QueueRecord("/", "good"), good.version)
     finally:
         store.close()
 

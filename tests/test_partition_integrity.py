@@ -40,8 +40,7 @@ from typing import Any
 import grpc
 import pytest
 
-from ringq.internal.v1 import coordinator_pb2_grpc
-from ringq.v1 import cluster_pb2
+from ringq.v1 import admin_pb2_grpc, cluster_pb2
 from tests import netns
 from tests import test_partition as partition
 
@@ -64,7 +63,7 @@ POLL_SECONDS = 0.1
 
 async def _liveness(coordinator: str) -> dict[str, bool]:
     async with grpc.aio.insecure_channel(coordinator) as channel:
-        stub = coordinator_pb2_grpc.CoordinatorServiceStub(channel)
+        stub = admin_pb2_grpc.AdminServiceStub(channel)
         response = await stub.ClusterStatus(cluster_pb2.ClusterStatusRequest(), timeout=2.0)
     return {node.node: node.alive for node in response.nodes}
 

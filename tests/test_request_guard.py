@@ -23,9 +23,9 @@ class _Queues(queue_pb2_grpc.QueueServiceServicer):
     def __init__(self) -> None:
         self.seen: list[Any] = []
 
-    async def DeclareQueue(self, request: Any, context: Any) -> queue_pb2.QueueInfo:
+    async def DeclareQueue(self, request: Any, context: Any) -> queue_pb2.DeclareQueueResponse:
         self.seen.append(request)
-        return queue_pb2.QueueInfo(queue=request.queue)
+        return queue_pb2.DeclareQueueResponse(queue=queue_pb2.QueueInfo(queue=request.queue))
 
     async def Publish(self, request_iterator: Any, context: Any) -> AsyncIterator[queue_pb2.PublishResponse]:
         async for request in request_iterator:  # responses yielded: an async generator
@@ -74,8 +74,8 @@ def test_each_kind_of_rpc_refuses_a_malformed_request_and_serves_a_good_one() ->
                 raw_unary = channel.unary_unary("/ringq.v1.QueueService/DeclareQueue", None, None)
                 code, details = await _refused(raw_unary(GARBAGE))
                 assert code == grpc.StatusCode.INVALID_ARGUMENT and "malformed request" in details
-                good = queue_pb2.QueueDeclareRequest(queue=queue_pb2.QueueRef(queue="q"))
-                assert (await queue_pb2_grpc.QueueServiceStub(channel).DeclareQueue(good)).queue.queue == "q"
+                good = queue_pb2.DeclareQueueRequest(queue=queue_pb2.QueueRef(queue="q"))
+                assert (await queue_pb2_grpc.QueueServiceStub(channel).DeclareQueue(good)).queue.queue.queue == "q"
 
                 for method in ("Publish", "Consume"):
                     raw_stream = channel.stream_stream(f"/ringq.v1.QueueService/{method}", None, None)

@@ -319,19 +319,21 @@ class Client {
    *   `arguments` values are JSON texts, e.g. { 'x-single-active-consumer': 'true' }
    * @returns {Promise<QueueInfo>}
    */
-  declareQueue(queue, options = {}) {
-    return this.call('declareQueue', {
+  async declareQueue(queue, options = {}) {
+    const response = await this.call('declareQueue', {
       queue: this.ref(queue),
       durable: options.durable ?? false,
       autoDelete: options.autoDelete ?? false,
       exclusiveOwner: options.exclusiveOwner ?? '',
       arguments: options.arguments ?? {},
     });
+    return response.queue;
   }
 
   /** @param {string} queue @returns {Promise<QueueInfo>} depth, consumers, master, mirrors */
-  status(queue) {
-    return this.call('queueStatus', this.ref(queue));
+  async status(queue) {
+    const response = await this.call('queueStatus', { queue: this.ref(queue) });
+    return response.queue;
   }
 
   /**

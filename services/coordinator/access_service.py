@@ -1,4 +1,5 @@
-"""The access half of CoordinatorService: users, vhosts and permissions (access_records.py).
+"""Users, vhosts and permissions on the coordinator (access_records.py): AdminService's access methods,
+and CoordinatorService's ReadAccess.
 
 Responsible for: validating each request (INVALID_ARGUMENT names the field), hashing passwords with
 Argon2id in a worker thread before anything is stored, and answering nodes' ReadAccess with every

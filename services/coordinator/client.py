@@ -1,4 +1,5 @@
-"""An async client of CoordinatorService that waits out coordinator outages.
+"""An async client of the coordinator's services (CoordinatorService, and AdminService on the same
+channel) that waits out coordinator outages.
 
 It knows one or more coordinator addresses (with the ZooKeeper store, any
 coordinator serves any call). UNAVAILABLE (the coordinator, or the store
@@ -20,8 +21,9 @@ from tenacity import AsyncRetrying, retry_if_exception, stop_after_delay, wait_e
 
 from ringq.internal.v1 import coordinator_pb2, coordinator_pb2_grpc
 from ringq.keepalive import CHANNEL_KEEPALIVE
-from ringq.v1 import cluster_pb2
+from ringq.v1 import admin_pb2_grpc, cluster_pb2
 from services.coordinator.convert import (
+    ChangeResponse,
     change_to_request,
     group_from_proto,
     outcome_from_proto,
@@ -64,6 +66,7 @@ def _retry_policy(retry_seconds: float) -> AsyncRetrying:
 
 if TYPE_CHECKING:
     from ringq.internal.v1.coordinator_pb2_grpc import CoordinatorServiceAsyncStub as Stub
+    from ringq.v1.admin_pb2_grpc import AdminServiceAsyncStub as AdminStub
 
 
 class CoordinatorClient:
@@ -94,12 +97,18 @@ class CoordinatorClient:
         """The coordinator the next call goes to."""
         return self.addresses[self._current]
 
-    def _stub(self) -> Stub:
+    def _channel(self) -> grpc.aio.Channel:
         address = self.current_address
         channel = self._channels.get(address)
         if channel is None:
             channel = self._channels[address] = self._dialer.to_coordinator(address, CHANNEL_OPTIONS)
-        return coordinator_pb2_grpc.CoordinatorServiceStub(channel)
+        return channel
+
+    def _stub(self) -> Stub:
+        return coordinator_pb2_grpc.CoordinatorServiceStub(self._channel())
+
+    def _admin_stub(self) -> AdminStub:
+        return admin_pb2_grpc.AdminServiceStub(self._channel())
 
     async def read_group(self, name: str) -> Group:
         response = await self._call(lambda stub: stub.ReadGroup, coordinator_pb2.ReadGroupRequest(group=name))
@@ -107,6 +116,7 @@ class CoordinatorClient:
 
     async def change_group(self, name: str, change: GroupChange) -> tuple[Outcome, Group]:
         request = change_to_request(name, change)
+        response: ChangeResponse
         if isinstance(request, coordinator_pb2.CreateGroupRequest):
             response = await self._call(lambda stub: stub.CreateGroup, request)
         elif isinstance(request, coordinator_pb2.AddMemberRequest):
@@ -146,7 +156,7 @@ class CoordinatorClient:
         await self._call(lambda stub: stub.NodeHeartbeat, request)
 
     async def cluster_status(self) -> cluster_pb2.ClusterStatusResponse:
-        return await self._call(lambda stub: stub.ClusterStatus, cluster_pb2.ClusterStatusRequest())
+        return await self.call_admin(lambda stub: stub.ClusterStatus, cluster_pb2.ClusterStatusRequest())
 
     async def declare_queue(self, queue: QueueRecord, preferred_master: str = "") -> QueueRecord:
         request = coordinator_pb2.DeclareQueueRequest(
@@ -167,7 +177,7 @@ class CoordinatorClient:
         return queue_from_proto(response.queue)
 
     async def list_queues(self, vhost: str = "") -> list[QueueRecord]:
-        response = await self._call(lambda stub: stub.ListQueues, cluster_pb2.ListQueuesRequest(vhost=vhost))
+        response = await self.call_admin(lambda stub: stub.ListQueues, cluster_pb2.ListQueuesRequest(vhost=vhost))
         return [queue_from_proto(q) for q in response.queues]
 
     async def update_queue(self, queue: QueueRecord, expected_version: int) -> QueueRecord:
@@ -181,7 +191,7 @@ class CoordinatorClient:
         request = coordinator_pb2.DeleteQueueRequest(vhost=vhost, name=name, expected_version=expected_version)
         await self._call(lambda stub: stub.DeleteQueue, request)
 
-    async def watch(self, kinds: Sequence[str], after_revision: int) -> AsyncIterator[coordinator_pb2.WatchEvent]:
+    async def watch(self, kinds: Sequence[str], after_revision: int) -> AsyncIterator[coordinator_pb2.WatchResponse]:
         """Changes of `kinds` after `after_revision`, from the current coordinator. The
         stream ends with an error if that coordinator goes; the next call goes elsewhere."""
         request = coordinator_pb2.WatchRequest(kinds=kinds, after_revision=after_revision)
@@ -208,16 +218,30 @@ class CoordinatorClient:
     async def call(
         self, method: Callable[[Stub], grpc.aio.UnaryUnaryMultiCallable[_Req, _Resp]], request: _Req
     ) -> _Resp:
-        """Any unary RPC (`lambda stub: stub.Method`), retried across coordinators like the rest."""
+        """Any unary CoordinatorService RPC (`lambda stub: stub.Method`), retried across coordinators
+        like the rest."""
         return await self._call(method, request)
+
+    async def call_admin(
+        self, method: Callable[[AdminStub], grpc.aio.UnaryUnaryMultiCallable[_Req, _Resp]], request: _Req
+    ) -> _Resp:
+        """Any AdminService RPC of the coordinator (`lambda stub: stub.Method`), retried alike."""
+        return await self._retried(lambda: method(self._admin_stub()), request)
 
     async def _call(
         self, method: Callable[[Stub], grpc.aio.UnaryUnaryMultiCallable[_Req, _Resp]], request: _Req
     ) -> _Resp:
+        return await self._retried(lambda: method(self._stub()), request)
+
+    async def _retried(
+        self, method: Callable[[], grpc.aio.UnaryUnaryMultiCallable[_Req, _Resp]], request: _Req
+    ) -> _Resp:
+        """`method()(request)`, `method` asked again on each attempt (for the stub of the coordinator
+        the attempt goes to)."""
         async for attempt in _retry_policy(self._retry_seconds):
             with attempt:
                 try:
-                    return await method(self._stub())(request, timeout=self._timeout)
+                    return await method()(request, timeout=self._timeout)
                 except grpc.aio.AioRpcError as error:
                     if _retryable(error):
                         self._current = (self._current + 1) % len(self.addresses)

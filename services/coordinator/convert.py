@@ -27,6 +27,12 @@ ChangeRequest = (
     | coordinator_pb2.MarkMemberDeadRequest
     | coordinator_pb2.EraseMembersRequest
 )
+ChangeResponse = (
+    coordinator_pb2.CreateGroupResponse
+    | coordinator_pb2.AddMemberResponse
+    | coordinator_pb2.MarkMemberDeadResponse
+    | coordinator_pb2.EraseMembersResponse
+)
 
 _OUTCOME_TO_PROTO: dict[Outcome, coordinator_pb2.GroupChangeOutcome.ValueType] = {
     Outcome.APPLIED: coordinator_pb2.GROUP_CHANGE_OUTCOME_APPLIED,

@@ -342,8 +342,11 @@ def declare_queue(
 
 
 def update_queue(store: Store, queue: QueueRecord, expected_version: int) -> QueueRecord:
-    """Replace a queue record if its version is `expected_version`; Conflict otherwise."""
+    """Replace a queue record if its version is `expected_version`; Conflict otherwise. The record
+    must name a group: a queue's replicas meet in the group its declaration gave it."""
     _check_names(queue)
+    if not queue.gm_group:
+        raise ValueError("gm_group must not be empty: a queue keeps the group it was declared with")
     written = store.put(QUEUE, queue.key, queue_value(queue), expected_version)
     if written is None:
         if store.get(QUEUE, queue.key) is None:

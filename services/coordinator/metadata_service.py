@@ -1,5 +1,7 @@
 """The coordinator's metadata RPCs: nodes and liveness, cluster status, policies,
-queue records, leases and Watch (mixed into server.CoordinatorServicer).
+queue records, leases and Watch (mixed into server.CoordinatorServicer). Cluster
+status, draining, policies and the listings of queues and leases are AdminService
+methods; the rest are CoordinatorService's.
 
 Responsible for: validating requests, running the metadata rules
 (metadata.py, records.py) in a worker thread, and mapping their outcomes to
@@ -101,7 +103,8 @@ async def act_for(context: _Context, node: str) -> None:
 
 
 class MetadataRpcs:
-    """The metadata half of CoordinatorService; needs `_store`, `_feed`, `_liveness_ms`, `_load_cache` and `_passes`."""
+    """The metadata RPCs of CoordinatorService and AdminService; needs `_store`, `_feed`, `_liveness_ms`,
+    `_load_cache` and `_passes`."""
 
     _store: Store
     _feed: ChangeFeed
@@ -191,7 +194,7 @@ class MetadataRpcs:
 
     async def DeclareQueue(
         self, request: coordinator_pb2.DeclareQueueRequest, context: _Context
-    ) -> coordinator_pb2.QueueRecordResponse:
+    ) -> coordinator_pb2.DeclareQueueResponse:
         await require(context, name=request.name)
         try:
             queue_arguments.validate(request.arguments)
@@ -216,14 +219,14 @@ class MetadataRpcs:
                 self._max_queues_per_vhost,
             )
 
-        return coordinator_pb2.QueueRecordResponse(queue=queue_to_proto(await run_store(context, declare)))
+        return coordinator_pb2.DeclareQueueResponse(queue=queue_to_proto(await run_store(context, declare)))
 
     async def GetQueue(
         self, request: coordinator_pb2.GetQueueRequest, context: _Context
-    ) -> coordinator_pb2.QueueRecordResponse:
+    ) -> coordinator_pb2.GetQueueResponse:
         await require(context, name=request.name)
         queue = await run_store(context, metadata.get_queue, self._store, request.vhost or "/", request.name)
-        return coordinator_pb2.QueueRecordResponse(queue=queue_to_proto(queue))
+        return coordinator_pb2.GetQueueResponse(queue=queue_to_proto(queue))
 
     async def ListQueues(
         self, request: cluster_pb2.ListQueuesRequest, context: _Context
@@ -233,11 +236,11 @@ class MetadataRpcs:
 
     async def UpdateQueue(
         self, request: coordinator_pb2.UpdateQueueRequest, context: _Context
-    ) -> coordinator_pb2.QueueRecordResponse:
+    ) -> coordinator_pb2.UpdateQueueResponse:
         await require(context, name=request.queue.name)
         queue = await run_store(context, queue_from_proto, request.queue)
         updated = await run_store(context, metadata.update_queue, self._store, queue, request.expected_version)
-        return coordinator_pb2.QueueRecordResponse(queue=queue_to_proto(updated))
+        return coordinator_pb2.UpdateQueueResponse(queue=queue_to_proto(updated))
 
     async def DeleteQueue(
         self, request: coordinator_pb2.DeleteQueueRequest, context: _Context
@@ -251,16 +254,16 @@ class MetadataRpcs:
 
     async def AcquireLease(
         self, request: coordinator_pb2.AcquireLeaseRequest, context: _Context
-    ) -> coordinator_pb2.LeaseResponse:
+    ) -> coordinator_pb2.AcquireLeaseResponse:
         await require(context, name=request.name, holder=request.holder)
         lease = await run_store(
             context, metadata.acquire_lease, self._store, request.name, request.holder, request.ttl_ms, now_ms()
         )
-        return coordinator_pb2.LeaseResponse(lease=lease_to_proto(lease))
+        return coordinator_pb2.AcquireLeaseResponse(lease=lease_to_proto(lease))
 
     async def RenewLease(
         self, request: coordinator_pb2.RenewLeaseRequest, context: _Context
-    ) -> coordinator_pb2.LeaseResponse:
+    ) -> coordinator_pb2.RenewLeaseResponse:
         await require(context, name=request.name, holder=request.holder)
         lease = await run_store(
             context,
@@ -272,16 +275,16 @@ class MetadataRpcs:
             request.ttl_ms,
             now_ms(),
         )
-        return coordinator_pb2.LeaseResponse(lease=lease_to_proto(lease))
+        return coordinator_pb2.RenewLeaseResponse(lease=lease_to_proto(lease))
 
     async def ReleaseLease(
         self, request: coordinator_pb2.ReleaseLeaseRequest, context: _Context
-    ) -> coordinator_pb2.LeaseResponse:
+    ) -> coordinator_pb2.ReleaseLeaseResponse:
         await require(context, name=request.name, holder=request.holder)
         lease = await run_store(
             context, metadata.release_lease, self._store, request.name, request.holder, request.token, now_ms()
         )
-        return coordinator_pb2.LeaseResponse(lease=lease_to_proto(lease))
+        return coordinator_pb2.ReleaseLeaseResponse(lease=lease_to_proto(lease))
 
     async def CheckLease(
         self, request: coordinator_pb2.CheckLeaseRequest, context: _Context
@@ -301,20 +304,20 @@ class MetadataRpcs:
 
     async def Watch(
         self, request: coordinator_pb2.WatchRequest, context: _Context
-    ) -> AsyncIterator[coordinator_pb2.WatchEvent]:
+    ) -> AsyncIterator[coordinator_pb2.WatchResponse]:
         unknown = sorted(set(request.kinds) - WATCHABLE)
         if unknown:
             known = ", ".join(sorted(WATCHABLE))
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"kinds: unknown {unknown[0]!r} (known: {known})")
         kinds = frozenset(request.kinds)
         async for item in self._feed.watch(kinds, request.after_revision):
-            yield watch_event(item)
+            yield watch_response(item)
 
 
-def watch_event(item: Change | Resync) -> coordinator_pb2.WatchEvent:
+def watch_response(item: Change | Resync) -> coordinator_pb2.WatchResponse:
     if isinstance(item, Resync):
-        return coordinator_pb2.WatchEvent(revision=item.revision, resync=True)
-    event = coordinator_pb2.WatchEvent(
+        return coordinator_pb2.WatchResponse(revision=item.revision, resync=True)
+    event = coordinator_pb2.WatchResponse(
         revision=item.revision, kind=item.kind, key=item.key, deleted=item.record is None
     )
     record = item.record

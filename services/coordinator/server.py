@@ -1,7 +1,9 @@
-"""The coordinator's gRPC service: CoordinatorService over a `Store`.
+"""The coordinator's gRPC services over a `Store`: CoordinatorService and ringq.v1.AdminService.
 
-Validates every request (INVALID_ARGUMENT names the offending field), then runs
-the store call (services/coordinator/records.py) in a worker thread so the
+One servicer serves both on the coordinator's port, which with TLS admits only cluster members:
+nodes call CoordinatorService for themselves, and forward their clients' AdminService calls here
+unchanged (services/admin_service.py). Validates every request (INVALID_ARGUMENT names the
+offending field), then runs the store call (services/coordinator/records.py) in a worker thread so the
 event loop never blocks on SQLite or ZooKeeper. A store that cannot be reached
 (StoreUnavailable) answers UNAVAILABLE, which CoordinatorClient retries.
 """
@@ -23,6 +25,7 @@ import grpc
 
 from ringq.internal.v1 import coordinator_pb2, coordinator_pb2_grpc, group_table_pb2
 from ringq.keepalive import SERVER_KEEPALIVE
+from ringq.v1 import admin_pb2, admin_pb2_grpc
 from services.access import GUEST
 from services.coordinator import access_records, metadata, records
 from services.coordinator.access_service import AccessRpcs
@@ -49,7 +52,10 @@ log = logging.getLogger(__name__)
 
 MAX_GROUP_NAME = 200
 _GROUP_NAME = re.compile(r"[A-Za-z0-9._:-]+")
-_SERVICE = coordinator_pb2.DESCRIPTOR.services_by_name["CoordinatorService"].full_name
+_SERVICES = (
+    coordinator_pb2.DESCRIPTOR.services_by_name["CoordinatorService"].full_name,
+    admin_pb2.DESCRIPTOR.services_by_name["AdminService"].full_name,
+)
 _Context = grpc.aio.ServicerContext[Any, Any]
 _P = ParamSpec("_P")
 _T = TypeVar("_T")
@@ -120,8 +126,15 @@ def _acting_node(change: GroupChange) -> str:
     return member_node(actor_of(change))
 
 
-class CoordinatorServicer(MetadataRpcs, AccessRpcs, coordinator_pb2_grpc.CoordinatorServiceServicer):
-    """Serves everything held by a `Store`: group tables and nodes here, the rest in MetadataRpcs."""
+class CoordinatorServicer(
+    MetadataRpcs,
+    AccessRpcs,
+    coordinator_pb2_grpc.CoordinatorServiceServicer,
+    admin_pb2_grpc.AdminServiceServicer,
+):
+    """Serves everything held by a `Store`, as CoordinatorService and AdminService (no method name is
+    in both): group tables and nodes here, users, vhosts and permissions in AccessRpcs, the rest in
+    MetadataRpcs."""
 
     def __init__(
         self,
@@ -147,23 +160,27 @@ class CoordinatorServicer(MetadataRpcs, AccessRpcs, coordinator_pb2_grpc.Coordin
 
     async def CreateGroup(
         self, request: coordinator_pb2.CreateGroupRequest, context: _Context
-    ) -> coordinator_pb2.GroupChangeResponse:
-        return await self._change(request, context)
+    ) -> coordinator_pb2.CreateGroupResponse:
+        outcome, group = await self._change(request, context)
+        return coordinator_pb2.CreateGroupResponse(outcome=outcome, group=group)
 
     async def AddMember(
         self, request: coordinator_pb2.AddMemberRequest, context: _Context
-    ) -> coordinator_pb2.GroupChangeResponse:
-        return await self._change(request, context)
+    ) -> coordinator_pb2.AddMemberResponse:
+        outcome, group = await self._change(request, context)
+        return coordinator_pb2.AddMemberResponse(outcome=outcome, group=group)
 
     async def MarkMemberDead(
         self, request: coordinator_pb2.MarkMemberDeadRequest, context: _Context
-    ) -> coordinator_pb2.GroupChangeResponse:
-        return await self._change(request, context)
+    ) -> coordinator_pb2.MarkMemberDeadResponse:
+        outcome, group = await self._change(request, context)
+        return coordinator_pb2.MarkMemberDeadResponse(outcome=outcome, group=group)
 
     async def EraseMembers(
         self, request: coordinator_pb2.EraseMembersRequest, context: _Context
-    ) -> coordinator_pb2.GroupChangeResponse:
-        return await self._change(request, context)
+    ) -> coordinator_pb2.EraseMembersResponse:
+        outcome, group = await self._change(request, context)
+        return coordinator_pb2.EraseMembersResponse(outcome=outcome, group=group)
 
     async def RegisterNode(
         self, request: coordinator_pb2.RegisterNodeRequest, context: _Context
@@ -195,12 +212,15 @@ class CoordinatorServicer(MetadataRpcs, AccessRpcs, coordinator_pb2_grpc.Coordin
             nodes=[node_to_proto(n, self._alive(n.last_heartbeat_unix_ms)) for n in nodes]
         )
 
-    async def _change(self, request: ChangeRequest, context: _Context) -> coordinator_pb2.GroupChangeResponse:
+    async def _change(
+        self, request: ChangeRequest, context: _Context
+    ) -> tuple[coordinator_pb2.GroupChangeOutcome.ValueType, group_table_pb2.Group]:
+        """The outcome of a group change and the group after it, as every group change answers them."""
         await _reject(context, change_problem(request))
         name, change = change_from_request(request)
         await act_for(context, _acting_node(change))
         outcome, group = await _run(context, records.change_group, self._store, name, change)
-        return coordinator_pb2.GroupChangeResponse(outcome=outcome_to_proto(outcome), group=group_to_proto(group))
+        return outcome_to_proto(outcome), group_to_proto(group)
 
 
 async def _run(context: _Context, call: Callable[_P, _T], *args: _P.args, **kwargs: _P.kwargs) -> _T:
@@ -245,7 +265,7 @@ async def create_server(
     """Start serving `store` on `address` (port 0 picks a free port); returns the server and its port.
 
     With `tls`, only cluster members (nodes and coordinators with certificates of the cluster CA)
-    are served, and a node acts only for itself.
+    are served, whichever the service, and a node acts only for itself.
 
     Also starts, for the life of the event loop, the change feed behind Watch
     and this coordinator's registration (so cluster_status lists it).
@@ -262,6 +282,7 @@ async def create_server(
     passes = PlacementPasses()
     servicer = CoordinatorServicer(store, feed, liveness_ms, passes, max_queues_per_vhost)
     coordinator_pb2_grpc.add_CoordinatorServiceServicer_to_server(servicer, server)
+    admin_pb2_grpc.add_AdminServiceServicer_to_server(servicer, server)
     await _add_health_service(server)
     try:
         if tls is None:
@@ -373,7 +394,7 @@ async def _add_health_service(server: grpc.aio.Server) -> None:
     except ImportError:
         return
     servicer = health.aio.HealthServicer()
-    for service in ("", _SERVICE):
+    for service in ("", *_SERVICES):
         await servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
     health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
 

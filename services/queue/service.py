@@ -274,7 +274,9 @@ class QueueServicer(queue_pb2_grpc.QueueServiceServicer):
 
     # -------------------------------------------------------------- wiring
 
-    async def DeclareQueue(self, request: queue_pb2.QueueDeclareRequest, context: _Context) -> queue_pb2.QueueInfo:
+    async def DeclareQueue(
+        self, request: queue_pb2.DeclareQueueRequest, context: _Context
+    ) -> queue_pb2.DeclareQueueResponse:
         ref = request.queue
         problem = _ref_problem(ref)
         if problem:
@@ -298,23 +300,28 @@ class QueueServicer(queue_pb2_grpc.QueueServiceServicer):
             await context.abort(error.code(), error.details() or "")
         replica, stub, record = await self._route_for(principal, ref, context)
         if stub is not None:
-            return await self._relay(context, stub.QueueStatus(ref), queue_pb2.QueueInfo)
+            status = stub.QueueStatus(queue_pb2.QueueStatusRequest(queue=ref))
+            return queue_pb2.DeclareQueueResponse(
+                queue=(await self._relay(context, status, queue_pb2.QueueStatusResponse)).queue
+            )
         assert replica is not None
-        return self._info(replica, record, self.address)
+        return queue_pb2.DeclareQueueResponse(queue=self._info(replica, record, self.address))
 
-    async def QueueStatus(self, request: queue_pb2.QueueRef, context: _Context) -> queue_pb2.QueueInfo:
-        replica, stub, record = await self._route(request, context, Operation.READ)
+    async def QueueStatus(
+        self, request: queue_pb2.QueueStatusRequest, context: _Context
+    ) -> queue_pb2.QueueStatusResponse:
+        replica, stub, record = await self._route(request.queue, context, Operation.READ)
         if stub is not None:
-            return await self._relay(context, stub.QueueStatus(request), queue_pb2.QueueInfo)
+            return await self._relay(context, stub.QueueStatus(request), queue_pb2.QueueStatusResponse)
         assert replica is not None
-        return self._info(replica, record, self.address)
+        return queue_pb2.QueueStatusResponse(queue=self._info(replica, record, self.address))
 
     async def DeleteQueue(
-        self, request: queue_pb2.QueueDeleteRequest, context: _Context
-    ) -> queue_pb2.QueueDeleteResponse:
+        self, request: queue_pb2.DeleteQueueRequest, context: _Context
+    ) -> queue_pb2.DeleteQueueResponse:
         replica, stub, record = await self._route(request.queue, context, Operation.CONFIGURE)
         if stub is not None:
-            return await self._relay(context, stub.DeleteQueue(request), queue_pb2.QueueDeleteResponse)
+            return await self._relay(context, stub.DeleteQueue(request), queue_pb2.DeleteQueueResponse)
         assert replica is not None and replica.master is not None
         master = replica.master
         if request.if_unused and master.consumer_tags:
@@ -326,10 +333,10 @@ class QueueServicer(queue_pb2_grpc.QueueServiceServicer):
         # Stop serving it here before answering: once the caller hears "deleted", no publish is confirmed
         # and no message delivered (the other replicas stop as the coordinator's watch tells them).
         await self.manager.forget(record.key)
-        return queue_pb2.QueueDeleteResponse(messages_deleted=depth)
+        return queue_pb2.DeleteQueueResponse(messages_deleted=depth)
 
-    async def PurgeQueue(self, request: queue_pb2.QueueRef, context: _Context) -> queue_pb2.PurgeQueueResponse:
-        replica, stub, _ = await self._route(request, context, Operation.READ)
+    async def PurgeQueue(self, request: queue_pb2.PurgeQueueRequest, context: _Context) -> queue_pb2.PurgeQueueResponse:
+        replica, stub, _ = await self._route(request.queue, context, Operation.READ)
         if stub is not None:
             return await self._relay(context, stub.PurgeQueue(request), queue_pb2.PurgeQueueResponse)
         assert replica is not None
@@ -339,23 +346,23 @@ class QueueServicer(queue_pb2_grpc.QueueServiceServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"the queue's master went away: {error}; retry")
         raise AssertionError("unreachable")
 
-    async def SyncQueue(self, request: queue_pb2.QueueRef, context: _Context) -> queue_pb2.QueueInfo:
-        return await self._sync(request, context, start=True)
-
-    async def CancelSyncQueue(self, request: queue_pb2.QueueRef, context: _Context) -> queue_pb2.QueueInfo:
-        return await self._sync(request, context, start=False)
-
-    async def _sync(self, request: queue_pb2.QueueRef, context: _Context, start: bool) -> queue_pb2.QueueInfo:
-        replica, stub, record = await self._route(request, context, Operation.CONFIGURE)
+    async def SyncQueue(self, request: queue_pb2.SyncQueueRequest, context: _Context) -> queue_pb2.SyncQueueResponse:
+        replica, stub, record = await self._route(request.queue, context, Operation.CONFIGURE)
         if stub is not None:
-            call = stub.SyncQueue(request) if start else stub.CancelSyncQueue(request)
-            return await self._relay(context, call, queue_pb2.QueueInfo)
+            return await self._relay(context, stub.SyncQueue(request), queue_pb2.SyncQueueResponse)
         assert replica is not None
-        if start:
-            replica.sync_unsynchronised()
-        else:
-            replica.cancel_syncs()
-        return self._info(replica, record, self.address)
+        replica.sync_unsynchronised()
+        return queue_pb2.SyncQueueResponse(queue=self._info(replica, record, self.address))
+
+    async def CancelSyncQueue(
+        self, request: queue_pb2.CancelSyncQueueRequest, context: _Context
+    ) -> queue_pb2.CancelSyncQueueResponse:
+        replica, stub, record = await self._route(request.queue, context, Operation.CONFIGURE)
+        if stub is not None:
+            return await self._relay(context, stub.CancelSyncQueue(request), queue_pb2.CancelSyncQueueResponse)
+        assert replica is not None
+        replica.cancel_syncs()
+        return queue_pb2.CancelSyncQueueResponse(queue=self._info(replica, record, self.address))
 
     # ----------------------------------------------------------- messaging
 

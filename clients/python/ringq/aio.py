@@ -209,31 +209,33 @@ class Connection:
         `arguments`: RabbitMQ's x-arguments as Python values, e.g. {"x-max-length": 1000, "x-overflow":
         "reject-publish", "x-single-active-consumer": True}; each is sent as JSON text (the proto's form)."""
         texts = {k: json.dumps(v) for k, v in (arguments or {}).items()}
-        request = queue_pb2.QueueDeclareRequest(
+        request = queue_pb2.DeclareQueueRequest(
             queue=self.ref(queue),
             durable=durable,
             auto_delete=auto_delete,
             exclusive_owner=exclusive_owner,
             arguments=texts,
         )
-        info: queue_pb2.QueueInfo = await self.call("DeclareQueue", request)
-        return info
+        response: queue_pb2.DeclareQueueResponse = await self.call("DeclareQueue", request)
+        return response.queue
 
     async def delete_queue(self, queue: str, *, if_unused: bool = False, if_empty: bool = False) -> int:
         """Delete `queue`; returns how many messages went with it."""
-        request = queue_pb2.QueueDeleteRequest(queue=self.ref(queue), if_unused=if_unused, if_empty=if_empty)
-        response: queue_pb2.QueueDeleteResponse = await self.call("DeleteQueue", request)
+        request = queue_pb2.DeleteQueueRequest(queue=self.ref(queue), if_unused=if_unused, if_empty=if_empty)
+        response: queue_pb2.DeleteQueueResponse = await self.call("DeleteQueue", request)
         return response.messages_deleted
 
     async def purge_queue(self, queue: str) -> int:
         """Remove every ready message; returns how many."""
-        response: queue_pb2.PurgeQueueResponse = await self.call("PurgeQueue", self.ref(queue))
+        request = queue_pb2.PurgeQueueRequest(queue=self.ref(queue))
+        response: queue_pb2.PurgeQueueResponse = await self.call("PurgeQueue", request)
         return response.messages_purged
 
     async def queue_status(self, queue: str) -> queue_pb2.QueueInfo:
         """Depth, consumers, master, mirrors and sync state of `queue`."""
-        info: queue_pb2.QueueInfo = await self.call("QueueStatus", self.ref(queue))
-        return info
+        request = queue_pb2.QueueStatusRequest(queue=self.ref(queue))
+        response: queue_pb2.QueueStatusResponse = await self.call("QueueStatus", request)
+        return response.queue
 
     async def get(self, queue: str, *, no_ack: bool = False) -> Delivery | None:
         """Take one message, if any; settle it with `settle` unless `no_ack`."""

@@ -355,14 +355,14 @@ def _statuses(
         try:
             outcomes = nodes.call_each(
                 lambda s: s.QueueStatus,
-                [queue_pb2.QueueRef(vhost=q.vhost, queue=q.name) for q in queues],
+                [queue_pb2.QueueStatusRequest(queue=queue_pb2.QueueRef(vhost=q.vhost, queue=q.name)) for q in queues],
                 idempotent=True,
             )
         except Failure as failure:  # no node to ask
             return [f"{failure.code.name}: {_one_line(failure.message)}"] * len(queues)
         except grpc.RpcError as error:  # the coordinator did not say which nodes are live
             return [_error_text(error)] * len(queues)
-    return [_error_text(o) if isinstance(o, grpc.RpcError) else o for o in outcomes]
+    return [_error_text(o) if isinstance(o, grpc.RpcError) else o.queue for o in outcomes]
 
 
 def _warn_unanswered(statuses: Sequence[queue_pb2.QueueInfo | str]) -> None:
@@ -440,16 +440,16 @@ def list_consumers(c: Admin, args: argparse.Namespace) -> tuple[Any, str]:
 
 
 def declare_queue(c: Admin, args: argparse.Namespace) -> tuple[Any, str]:
-    request = queue_pb2.QueueDeclareRequest(
+    request = queue_pb2.DeclareQueueRequest(
         queue=_queue_ref(args), durable=args.durable, auto_delete=args.auto_delete, arguments=dict(args.arguments)
     )
     with _nodes(c, args) as nodes:
-        info = nodes.call(lambda s: s.DeclareQueue, request, idempotent=True)
+        info = nodes.call(lambda s: s.DeclareQueue, request, idempotent=True).queue
     return _as_json(info), f"queue {args.name!r} declared in vhost {args.vhost!r}\n{_info_text(info)}"
 
 
 def delete_queue(c: Admin, args: argparse.Namespace) -> tuple[Any, str]:
-    request = queue_pb2.QueueDeleteRequest(queue=_queue_ref(args), if_unused=args.if_unused, if_empty=args.if_empty)
+    request = queue_pb2.DeleteQueueRequest(queue=_queue_ref(args), if_unused=args.if_unused, if_empty=args.if_empty)
     with _nodes(c, args) as nodes:
         response = nodes.call(lambda s: s.DeleteQueue, request)
     text = f"queue {args.name!r} deleted from vhost {args.vhost!r}; {response.messages_deleted} message(s) deleted"
@@ -458,14 +458,15 @@ def delete_queue(c: Admin, args: argparse.Namespace) -> tuple[Any, str]:
 
 def purge_queue(c: Admin, args: argparse.Namespace) -> tuple[Any, str]:
     with _nodes(c, args) as nodes:
-        response = nodes.call(lambda s: s.PurgeQueue, _queue_ref(args))
+        response = nodes.call(lambda s: s.PurgeQueue, queue_pb2.PurgeQueueRequest(queue=_queue_ref(args)))
     text = f"queue {args.name!r} in vhost {args.vhost!r} purged; {response.messages_purged} message(s) removed"
     return _as_json(response), text
 
 
 def sync_queue(c: Admin, args: argparse.Namespace) -> tuple[Any, str]:
     with _nodes(c, args) as nodes:
-        info = nodes.call(lambda s: s.SyncQueue, _queue_ref(args), idempotent=True)
+        request = queue_pb2.SyncQueueRequest(queue=_queue_ref(args))
+        info = nodes.call(lambda s: s.SyncQueue, request, idempotent=True).queue
     unsynchronised = [m for m in info.mirrors if m not in info.synchronised_mirrors]
     if unsynchronised:
         head = f"sync of queue {args.name!r} in vhost {args.vhost!r} started for {', '.join(unsynchronised)}"
@@ -476,7 +477,8 @@ def sync_queue(c: Admin, args: argparse.Namespace) -> tuple[Any, str]:
 
 def cancel_sync_queue(c: Admin, args: argparse.Namespace) -> tuple[Any, str]:
     with _nodes(c, args) as nodes:
-        info = nodes.call(lambda s: s.CancelSyncQueue, _queue_ref(args), idempotent=True)
+        request = queue_pb2.CancelSyncQueueRequest(queue=_queue_ref(args))
+        info = nodes.call(lambda s: s.CancelSyncQueue, request, idempotent=True).queue
     return _as_json(info), f"sync of queue {args.name!r} in vhost {args.vhost!r} cancelled\n{_info_text(info)}"
 
 

@@ -70,7 +70,7 @@ class GroupMembership:
         response = await self._stub.Broadcast(request)
         return response.first_seq, response.last_seq
 
-    async def events(self) -> AsyncIterator[group_pb2.GroupEvent]:
+    async def events(self) -> AsyncIterator[group_pb2.JoinResponse]:
         """The member's events after Joined, until it leaves or its node fails."""
         while True:
             event: Any = await self._call.read()
@@ -112,7 +112,7 @@ class DeliveryCheck:
         self.births: set[str] = set()
         self.problems: list[str] = []
 
-    def observe(self, event: group_pb2.GroupEvent) -> None:
+    def observe(self, event: group_pb2.JoinResponse) -> None:
         kind = event.WhichOneof("kind")
         if kind == "delivery":
             delivery = event.delivery
