@@ -92,8 +92,9 @@ def test_declare_list_consumers_purge_and_delete(info: cluster.ClusterInfo) -> N
     again = as_json(info, "declare_queue", "plain", "--durable")  # the same properties: the queue as it is
     assert again["queue"] == {"vhost": "/", "queue": "plain"} and again["status"] == "running"
     assert again["master_node"] in {n.name for n in info.nodes}
-    as_json(info, "declare_queue", "-p", "/", "capped", "--argument", "x-max-length=10", "--argument", 'x-note="a b"')
-    assert queue_entry(info, "capped")["arguments"] == {"x-max-length": "10", "x-note": '"a b"'}
+    overflow = 'x-overflow="reject-publish"'
+    as_json(info, "declare_queue", "-p", "/", "capped", "--argument", "x-max-length=10", "--argument", overflow)
+    assert queue_entry(info, "capped")["arguments"] == {"x-max-length": "10", "x-overflow": '"reject-publish"'}
 
     async def publish_and_consume() -> None:
         client = aio.Connection([n.address for n in info.nodes])
