@@ -162,10 +162,13 @@ def test_ringqctl_adds_a_passwordless_user_who_then_administers_with_a_certifica
         return subprocess.run(command, capture_output=True, text=True, timeout=60, check=False)
 
     nodes = ",".join(info.node_addresses)
-    added = ringqctl(
-        "--node", nodes, "--user", "guest", "--password", "guest", "add_user", "ops", "--tags", "monitoring"
-    )
+    as_guest = ["--node", nodes, "--user", "guest", "--password", "guest"]
+    added = ringqctl(*as_guest, "add_user", "ops", "--tags", "monitoring")
     assert added.returncode == 0 and "client certificate" in added.stdout, added
+    # The queue verbs send the credentials too (they failed with an AttributeError once a user was given).
+    for verb in (["declare_queue", "ops.q"], ["list_queues"], ["delete_queue", "ops.q"]):
+        done = ringqctl(*as_guest, *verb)
+        assert done.returncode == 0, (verb, done)
     issued = certs.issue_user(info.tls_dir, "ops")
     as_ops = [
         "--node",

@@ -15,7 +15,6 @@ printed (their repr hides the password).
 from __future__ import annotations
 
 import base64
-import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -86,7 +85,25 @@ class _WithMetadata:
         self._metadata = metadata
 
     def __getattr__(self, name: str) -> Any:
-        return functools.partial(getattr(self._stub, name), metadata=self._metadata)
+        return _MethodWithMetadata(getattr(self._stub, name), self._metadata)
+
+
+class _MethodWithMetadata:
+    """One method of a stub, sending the same metadata however it is called: directly (blocking or
+    asyncio), or with `.future(...)` / `.with_call(...)` (blocking stubs)."""
+
+    def __init__(self, method: Any, metadata: tuple[tuple[str, str], ...]) -> None:
+        self._method = method
+        self._metadata = metadata
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._method(*args, metadata=self._metadata, **kwargs)
+
+    def future(self, *args: Any, **kwargs: Any) -> Any:
+        return self._method.future(*args, metadata=self._metadata, **kwargs)
+
+    def with_call(self, *args: Any, **kwargs: Any) -> Any:
+        return self._method.with_call(*args, metadata=self._metadata, **kwargs)
 
 
 def authenticated(stub: Any, credentials: Credentials | None) -> Any:
