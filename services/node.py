@@ -828,7 +828,7 @@ def parser() -> argparse.ArgumentParser:
         type=_mebibytes_flag,
         default=str(defaults.memory_high_watermark_bytes // MEBIBYTE),
         help="raise the memory alarm, which blocks publishers (consumers go on), while the node's resident "
-        f"memory is at or above this many MiB (default {DEFAULT_WATERMARK_SHARE:.0%} of the machine's; 0: never)",
+        f"memory is at or above this many MiB (default {DEFAULT_WATERMARK_SHARE * 100:.0f}%% of the machine's; 0: never)",
     )
     out.add_argument(
         "--trace-dir",

@@ -534,3 +534,11 @@ def test_a_second_node_with_a_running_nodes_id_exits_and_the_running_one_keeps_i
 async def _list_nodes(address: str) -> list[tuple[str, str]]:
     async with CoordinatorClient(address, retry_seconds=5) as client:
         return await client.list_nodes()
+
+
+@pytest.mark.parametrize("module", ["services.node", "services.coordinator"])
+def test_every_process_prints_its_help(module: str) -> None:
+    """`python -m services.node --help` crashed: a help text held a bare % (argparse formats them)."""
+    done = subprocess.run([sys.executable, "-m", module, "--help"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "usage:" in done.stdout
