@@ -1,12 +1,11 @@
 """The `ringq` command: run a coordinator or a node in the foreground, or manage a local cluster.
 
-    ringq coordinator [--listen HOST:PORT] [--ready-file PATH] [--store sqlite] [--db PATH]
-    ringq coordinator [--listen HOST:PORT] [--ready-file PATH] --store zookeeper --zookeeper HOSTS [--zookeeper-root Z]
-    ringq node --id ID --coordinator HOST:PORT [--listen HOST:PORT] [--advertise HOST:PORT] [--ready-file PATH]
-               [--data-dir DIR] [--trace-dir DIR] [--log-level L] [timing flags]
-    ringq cluster up --nodes N --dir DIR [--base-port P] [--timeout S] [--tls] [--resume | --fresh]
+    ringq coordinator [FLAGS]        (ringq coordinator --help; also a --config file and RINGQ_* variables)
+    ringq node --id ID --coordinator HOST:PORT [FLAGS]                    (ringq node --help; likewise)
+    ringq cluster up --nodes N --dir DIR [--base-port P] [--timeout S] [--tls] [--resume | --fresh] [-- NODE_FLAGS]
     ringq certs ca|node|coordinator|user --dir DIR [--id NODE_ID] [--name USER] [--host NAME ...]
     ringq cluster status --dir DIR
+    ringq cluster start|stop|kill NODE --dir DIR [--timeout S]
     ringq cluster down --dir DIR [--timeout S]
 
 Bad usage exits 2 with one line on stderr (`ringq: error: ...`); a cluster operation that fails exits 1
@@ -16,14 +15,17 @@ with one line (`ringq: ...`).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
+import io
+import signal
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, cast
 
 from services import certs, cluster
-from services.arguments import OneLineParser, address_argument, node_id_argument
+from services.arguments import OneLineParser, node_id_argument
 
 _Handler = Callable[[argparse.Namespace], int]
 
@@ -83,71 +85,34 @@ def _node_id(text: str) -> str:
 # ---------------------------------------------------------------------------------------------- handlers
 
 
-def _run_coordinator(args: argparse.Namespace) -> int:
-    from services.coordinator.__main__ import main as coordinator_main
-
-    argv = ["--listen", args.listen, "--store", args.store]
-    for flag, value in (
-        ("--db", args.db),
-        ("--zookeeper", args.zookeeper),
-        ("--zookeeper-root", args.zookeeper_root),
-        ("--ready-file", args.ready_file),
-        ("--tls-ca", args.tls_ca),
-        ("--tls-cert", args.tls_cert),
-        ("--tls-key", args.tls_key),
-        ("--default-user", args.default_user),
-        ("--max-queues-per-vhost", args.max_queues_per_vhost),
-    ):
-        if value is not None:
-            argv += [flag, value]
-    coordinator_main(argv, prog="ringq")
-    return 0
-
-
-_NODE_FLAGS = (
-    "listen",
-    "coordinator",
-    "ready_file",
-    "advertise",
-    "flush_interval_ms",
-    "heartbeat_interval_ms",
-    "failure_timeout_ms",
-    "grace_ms",
-    "membership_check_ms",
-    "recovery_wait_ms",
-    "data_dir",
-    "trace_dir",
-    "log_level",
-    "cluster_listen",
-    "cluster_advertise",
-    "certificate_listen",
-    "tls_ca",
-    "tls_cert",
-    "tls_key",
-)
-
-
-def _run_node(args: argparse.Namespace) -> int:
-    argv = ["--id", args.id]
-    for field in _NODE_FLAGS:
-        value = getattr(args, field)
-        if value is not None:
-            argv += [f"--{field.replace('_', '-')}", str(value)]
+def _run_process(name: str, argv: list[str]) -> int:
+    """`ringq node ...` and `ringq coordinator ...`: the process's own main, with its own flags, file and
+    environment (services/config.py), so every setting exists once."""
+    module_name = {"node": "services.node", "coordinator": "services.coordinator.__main__"}[name]
     try:
-        module = importlib.import_module("services.node")
+        module = importlib.import_module(module_name)
     except ModuleNotFoundError as exc:
-        if exc.name not in ("services.node", "services"):
+        if exc.name not in (module_name, "services", "services.coordinator"):
             raise
-        raise cluster.ClusterError("the broker node (services.node) is not available in this installation") from exc
-    node_main = cast(Callable[[list[str] | None], int | None], module.main)
-    return node_main(argv) or 0
+        raise cluster.ClusterError(f"the {name} ({module_name}) is not available in this installation") from exc
+    process_main = cast(Callable[..., int | None], module.main)
+    return process_main(argv, prog=f"ringq {name}") or 0
 
 
 def _cluster_up(args: argparse.Namespace) -> int:
     if args.base_port and args.base_port + args.nodes > 65535:
         raise _UsageError(f"--base-port {args.base_port} leaves no room for {args.nodes} nodes below port 65536")
     state = cluster.RESUME if args.resume else cluster.FRESH if args.fresh else cluster.NEW
-    info = cluster.up(args.nodes, args.dir, base_port=args.base_port, timeout=args.timeout, tls=args.tls, state=state)
+    _check_node_args(args.node_args)
+    info = cluster.up(
+        args.nodes,
+        args.dir,
+        base_port=args.base_port,
+        timeout=args.timeout,
+        tls=args.tls,
+        state=state,
+        node_args=args.node_args,
+    )
     width = max(len(p.name) for p in info.processes)
     for process in info.processes:
         print(f"{process.name:<{width}}  pid {process.pid:<7}  {process.address}")
@@ -186,6 +151,35 @@ def _cluster_status(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_node_args(node_args: Sequence[str]) -> None:
+    """_UsageError unless every node would accept `node_args` (checked before anything starts)."""
+    from services.node import parser as node_parser
+
+    said = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(said):
+            node_parser("node flags").parse_args(["--id", "node1", "--coordinator", "127.0.0.1:1", *node_args])
+    except SystemExit:
+        raise _UsageError(said.getvalue().strip().removeprefix("node flags: error: ")) from None
+
+
+def _cluster_node(args: argparse.Namespace) -> int:
+    """ringq cluster start|stop|kill NODE --dir DIR."""
+    if args.action == "start":
+        if args.node == cluster.COORDINATOR:
+            process = cluster.restart_coordinator(args.dir, timeout=args.timeout)
+        else:
+            process = cluster.start_node(args.dir, args.node, timeout=args.timeout)
+        print(f"{process.name}  pid {process.pid}  {process.address}")
+        return 0
+    sig = signal.SIGTERM if args.action == "stop" else signal.SIGKILL
+    if cluster.kill(args.dir, args.node, sig, timeout=args.timeout):
+        print(f"{args.node} {'stopped' if args.action == 'stop' else 'killed'}")
+    else:
+        print(f"{args.node} was not running")
+    return 0
+
+
 def _cluster_down(args: argparse.Namespace) -> int:
     stopped = cluster.down(args.dir, timeout=args.timeout)
     print(f"stopped {', '.join(stopped)}" if stopped else f"nothing running in {args.dir.resolve()}")
@@ -206,42 +200,9 @@ def build_parser() -> argparse.ArgumentParser:
             sub.set_defaults(handler=handler)
         return sub
 
-    coordinator = command(commands, "coordinator", "run the coordinator in the foreground", _run_coordinator)
-    coordinator.add_argument(
-        "--listen", type=address_argument, default="127.0.0.1:7000", help="HOST:PORT (port 0: any)"
-    )
-    coordinator.add_argument("--store", choices=("sqlite", "zookeeper"), default="sqlite", help="where records live")
-    coordinator.add_argument("--db", help="sqlite: the SQLite file (created if absent; default coordinator.db)")
-    coordinator.add_argument("--zookeeper", metavar="HOSTS", help="zookeeper: the ensemble, HOST:PORT[,HOST:PORT...]")
-    coordinator.add_argument("--zookeeper-root", metavar="ZNODE", help="zookeeper: the root znode (default /ringq)")
-    coordinator.add_argument("--ready-file", help="write the bound HOST:PORT here once listening")
-    coordinator.add_argument(
-        "--default-user", help="a new cluster's administrator (default guest; password: $RINGQ_DEFAULT_PASSWORD)"
-    )
-    coordinator.add_argument("--max-queues-per-vhost", metavar="N", help="queues one vhost may have (default 20000)")
-    _tls_arguments(coordinator)
-
-    node = command(commands, "node", "run a broker node in the foreground", _run_node)
-    node.add_argument("--id", required=True, type=_node_id, help="this node's id")
-    node.add_argument("--listen", type=address_argument, default="127.0.0.1:7001", help="HOST:PORT (port 0: any)")
-    node.add_argument("--coordinator", required=True, type=address_argument, help="the coordinator's HOST:PORT")
-    node.add_argument("--ready-file", help="write the bound HOST:PORT here once serving")
-    node.add_argument("--flush-interval-ms", type=_positive_int, metavar="N")
-    node.add_argument("--heartbeat-interval-ms", type=_positive_int, metavar="N")
-    node.add_argument("--failure-timeout-ms", type=_positive_int, metavar="N")
-    node.add_argument("--grace-ms", type=_positive_int, metavar="N")
-    node.add_argument("--membership-check-ms", type=_positive_int, metavar="N")
-    node.add_argument("--recovery-wait-ms", type=_positive_int, metavar="N")
-    node.add_argument("--advertise", type=address_argument, help="HOST:PORT peers and clients dial (default --listen)")
-    node.add_argument("--data-dir", help="where durable queues keep their messages (default data/ID)")
-    node.add_argument("--trace-dir", help="also write spans as JSON lines here (docs/observability.md)")
-    node.add_argument("--log-level", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
-    node.add_argument("--cluster-listen", type=address_argument, help="with TLS: HOST:PORT for cluster members")
-    node.add_argument("--cluster-advertise", type=address_argument, help="with TLS: HOST:PORT members should dial")
-    node.add_argument(
-        "--certificate-listen", type=address_argument, help="with TLS: HOST:PORT for clients with a user certificate"
-    )
-    _tls_arguments(node)
+    # Listed for help; main() hands their arguments to the process itself (_run_process).
+    command(commands, "coordinator", "run the coordinator in the foreground (ringq coordinator --help)", None)
+    command(commands, "node", "run a broker node in the foreground (ringq node --help)", None)
 
     issue = command(
         commands, "certs", "make a cluster CA and member certificates (development; docs/security.md)", _certs
@@ -275,22 +236,43 @@ def build_parser() -> argparse.ArgumentParser:
     earlier.add_argument("--fresh", action="store_true", help="delete DIR's earlier state first (keeps DIR/tls)")
     stop = command(actions, "down", "stop the cluster (SIGTERM, then SIGKILL)", _cluster_down)
     stop.add_argument("--timeout", type=_seconds, default=10.0, metavar="S", help="seconds to wait before SIGKILL")
+    start.add_argument(
+        "node_args",
+        nargs="*",
+        metavar="NODE_FLAG",
+        help="after --: flags for every node, e.g. -- --failure-timeout-ms 1000 (ringq node --help); "
+        "kept for `cluster start`",
+    )
     show = command(actions, "status", "show each process and whether it is alive", _cluster_status)
-    for sub in (start, stop, show):
+    one = [
+        command(
+            actions,
+            "start",
+            "start NODE again (a dead one), or a new node, with the cluster's node flags",
+            _cluster_node,
+        ),
+        command(actions, "stop", "stop NODE (SIGTERM)", _cluster_node),
+        command(actions, "kill", "kill NODE (SIGKILL)", _cluster_node),
+    ]
+    for sub in one:
+        sub.add_argument("node", type=_node_id, metavar="NODE", help="a node id (or coordinator, to stop or kill it)")
+        sub.add_argument("--timeout", type=_seconds, default=20.0, metavar="S", help="seconds to wait")
+    for sub in (start, stop, show, *one):
         sub.add_argument("--dir", required=True, type=Path, metavar="DIR", help="the cluster's directory")
     return parser
 
 
-def _tls_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--tls-ca", metavar="PEM", help="the cluster CA certificate")
-    parser.add_argument("--tls-cert", metavar="PEM", help="this member's certificate")
-    parser.add_argument("--tls-key", metavar="PEM", help="this member's private key")
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """Run `ringq` with `argv` (default: sys.argv[1:]); returns the exit code."""
+    given = list(sys.argv[1:] if argv is None else argv)
+    if given and given[0] in ("node", "coordinator"):
+        try:
+            return _run_process(given[0], given[1:])
+        except cluster.ClusterError as exc:
+            print(f"ringq: {exc.message}", file=sys.stderr)
+            return 1
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parser.parse_args(given)
     handler = cast(_Handler, args.handler)
     try:
         return handler(args)

@@ -42,6 +42,7 @@ from ringq import tracing
 from ringq.internal.v1 import peer_pb2, peer_pb2_grpc
 from ringq.keepalive import SERVER_KEEPALIVE
 from ringq.v1 import group_pb2, group_pb2_grpc, queue_pb2_grpc
+from services import config
 from services import tls as tls_flags
 from services.access import DEFAULT_VHOST, Operation
 from services.access_guard import OPEN, AccessGuard
@@ -761,9 +762,10 @@ def _mebibytes_flag(value: str) -> int:
     return mebibytes * MEBIBYTE
 
 
-def parser() -> argparse.ArgumentParser:
+def parser(prog: str = "ringq node") -> argparse.ArgumentParser:
     defaults = NodeSettings()
-    out = OneLineParser(prog="ringq node", description="Run a ringq broker node.")
+    out = OneLineParser(prog=prog, description="Run a ringq broker node.")
+    config.add_config_argument(out)
     out.add_argument("--id", required=True, type=node_id_argument, help="this node's id, unique in the cluster")
     out.add_argument(
         "--listen", default="127.0.0.1:7100", type=address_argument, help="HOST:PORT to serve on (port 0: any)"
@@ -827,8 +829,8 @@ def parser() -> argparse.ArgumentParser:
         "--memory-high-watermark-mb",
         type=_mebibytes_flag,
         default=str(defaults.memory_high_watermark_bytes // MEBIBYTE),
-        help="raise the memory alarm, which blocks publishers (consumers go on), while the node's resident "
-        f"memory is at or above this many MiB (default {DEFAULT_WATERMARK_SHARE * 100:.0f}%% of the machine's; 0: never)",
+        help="raise the memory alarm, which blocks publishers (consumers go on), while the node's resident memory "
+        f"is at or above this many MiB (default {DEFAULT_WATERMARK_SHARE * 100:.0f}%% of the machine's; 0: never)",
     )
     out.add_argument(
         "--trace-dir",
@@ -837,16 +839,17 @@ def parser() -> argparse.ArgumentParser:
     )
     out.add_argument(
         "--log-level",
-        default=os.environ.get("RINGQ_LOG_LEVEL", "INFO"),
+        default="INFO",
         choices=["DEBUG", "INFO", "WARNING", "ERROR"],
-        help="what the node logs (default: $RINGQ_LOG_LEVEL, else INFO)",
+        help="what the node logs (default INFO)",
     )
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
-    arguments = parser()
-    args = arguments.parse_args(argv)
+def main(argv: list[str] | None = None, prog: str = "ringq node") -> int:
+    """Run a node with `argv` (flags over RINGQ_* variables over a --config file: services/config.py)."""
+    arguments = parser(prog)
+    args = config.parse(arguments, argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     tls = tls_flags.from_arguments(arguments, args, args.listen)
     settings = NodeSettings(

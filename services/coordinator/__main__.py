@@ -15,20 +15,13 @@ import logging
 import os
 import sys
 
-from services import tls
-from services.arguments import OneLineParser, address_problem
+from services import config, tls
+from services.arguments import OneLineParser, address_argument, address_problem
 from services.coordinator.server import DEFAULT_MAX_QUEUES_PER_VHOST, serve
 from services.coordinator.store import StoreUnavailable
 
 DEFAULT_DB = "./coordinator.db"
 DEFAULT_ZOOKEEPER_ROOT = "/ringq"
-
-
-def _address(text: str) -> str:
-    host, sep, port = text.rpartition(":")
-    if not sep or not host or not port.isdigit() or int(port) > 65535:
-        raise argparse.ArgumentTypeError(f"expected HOST:PORT, got {text!r}")
-    return text
 
 
 def _hosts(text: str) -> str:
@@ -61,7 +54,8 @@ def main(argv: list[str] | None = None, *, prog: str = "python -m services.coord
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--listen", type=_address, default="127.0.0.1:7000", help="HOST:PORT (port 0: any)")
+    config.add_config_argument(parser)
+    parser.add_argument("--listen", type=address_argument, default="127.0.0.1:7000", help="HOST:PORT (port 0: any)")
     parser.add_argument("--store", choices=("sqlite", "zookeeper"), default="sqlite", help="where records are kept")
     parser.add_argument("--db", help=f"sqlite: the SQLite file (created if absent; default {DEFAULT_DB})")
     parser.add_argument("--zookeeper", type=_hosts, metavar="HOSTS", help="zookeeper: the ensemble, HOST:PORT[,...]")
@@ -75,9 +69,9 @@ def main(argv: list[str] | None = None, *, prog: str = "python -m services.coord
     tls.add_arguments(parser)
     parser.add_argument(
         "--default-user",
-        default=os.environ.get("RINGQ_DEFAULT_USER", "guest"),
-        help="the administrator a new cluster starts with (default $RINGQ_DEFAULT_USER, else guest, which is "
-        "accepted from loopback only); its password is $RINGQ_DEFAULT_PASSWORD (default: the user's name)",
+        default="guest",
+        help="the administrator a new cluster starts with (default guest, which is accepted from loopback only); "
+        "its password is $RINGQ_DEFAULT_PASSWORD (default: the user's name)",
     )
     parser.add_argument(
         "--max-queues-per-vhost",
@@ -85,7 +79,7 @@ def main(argv: list[str] | None = None, *, prog: str = "python -m services.coord
         default=DEFAULT_MAX_QUEUES_PER_VHOST,
         help=f"declaring more queues in a vhost gets RESOURCE_EXHAUSTED (default {DEFAULT_MAX_QUEUES_PER_VHOST})",
     )
-    args = parser.parse_args(argv)
+    args = config.parse(parser, argv)
     if args.store == "zookeeper":
         if args.zookeeper is None:
             parser.error("--store zookeeper needs --zookeeper HOST:PORT[,HOST:PORT...]")
