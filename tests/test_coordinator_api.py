@@ -248,3 +248,35 @@ def test_ringqctl_administers_the_cluster_through_a_node(tmp_path: Path) -> None
         assert nobody.stderr.startswith("ringqctl: NOT_FOUND"), nobody.stderr
     finally:
         cluster.down(info.directory)
+
+
+def test_forget_node_removes_a_dead_node_and_the_queues_that_lived_only_on_it(tmp_path: Path) -> None:
+    """There was no way to forget a dead node: stale nodes stayed listed for ever."""
+
+    async def scenario(stub: Any, admin: Any) -> None:
+        await _live_nodes(stub, "n1", "n2")
+        await admin.SetPolicy(cluster_pb2.SetPolicyRequest(policy=_policy("pairs", "^pair", {"ha-mode": "all"})))
+        for name, master in (("solo", "n2"), ("pair", "n1"), ("other", "n1")):
+            request = coordinator_pb2.DeclareQueueRequest(name=name, preferred_master=master)
+            await stub.DeclareQueue(request)
+        code, message = await _code(admin.ForgetNode(cluster_pb2.ForgetNodeRequest(node="n2")))
+        assert code == grpc.StatusCode.FAILED_PRECONDITION and "alive" in message
+        code, _ = await _code(admin.ForgetNode(cluster_pb2.ForgetNodeRequest(node="nobody")))
+        assert code == grpc.StatusCode.NOT_FOUND
+        deadline = asyncio.get_running_loop().time() + 10
+        while True:  # n2 falls silent; n1 keeps beating
+            await stub.NodeHeartbeat(coordinator_pb2.NodeHeartbeatRequest(node="n1"))
+            try:
+                forgotten = await admin.ForgetNode(cluster_pb2.ForgetNodeRequest(node="n2"))
+                break
+            except grpc.aio.AioRpcError as error:
+                assert error.code() == grpc.StatusCode.FAILED_PRECONDITION, error
+            assert asyncio.get_running_loop().time() < deadline, "n2 never counted as dead"
+            await asyncio.sleep(0.1)
+        assert [queue.name for queue in forgotten.deleted_queues] == ["solo"]
+        queues = {q.name: q for q in (await admin.ListQueues(cluster_pb2.ListQueuesRequest())).queues}
+        assert set(queues) == {"pair", "other"} and "n2" not in queues["pair"].mirrors
+        status = await admin.ClusterStatus(cluster_pb2.ClusterStatusRequest())
+        assert [node.node for node in status.nodes] == ["n1"]
+
+    run(tmp_path, scenario)

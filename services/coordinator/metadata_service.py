@@ -36,6 +36,7 @@ from services.coordinator.convert import (
     queue_from_proto,
     queue_to_proto,
 )
+from services.coordinator.forget import NodeAlive, forget_node
 from services.coordinator.leases import LeaseRefused
 from services.coordinator.metadata import Conflict, NotFound, QueueLimit, QueueMismatch, QueueRecord
 from services.coordinator.placement import NoLiveNodes
@@ -73,7 +74,7 @@ async def mapped(context: _Context, work: Awaitable[_T]) -> _T:
         await context.abort(grpc.StatusCode.NOT_FOUND, str(error))
     except PolicyError as error:
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
-    except (QueueMismatch, LeaseRefused, access_records.InUse) as error:
+    except (QueueMismatch, LeaseRefused, access_records.InUse, NodeAlive) as error:
         await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(error))
     except Conflict as error:
         await context.abort(grpc.StatusCode.ABORTED, str(error))
@@ -139,6 +140,13 @@ class MetadataRpcs:
         if not await run_store(context, records.set_node_draining, self._store, request.node, request.draining):
             await context.abort(grpc.StatusCode.NOT_FOUND, f"no node {request.node!r} is registered")
         return cluster_pb2.SetNodeDrainingResponse()
+
+    async def ForgetNode(
+        self, request: cluster_pb2.ForgetNodeRequest, context: _Context
+    ) -> cluster_pb2.ForgetNodeResponse:
+        await require(context, node=request.node)
+        deleted = await run_store(context, forget_node, self._store, request.node, self._liveness_ms, now_ms())
+        return cluster_pb2.ForgetNodeResponse(deleted_queues=[queue_to_proto(queue) for queue in deleted])
 
     async def ClusterStatus(
         self, request: cluster_pb2.ClusterStatusRequest, context: _Context

@@ -142,6 +142,13 @@ def register_node(
             return
 
 
+def forget_node_record(store: Store, node: str) -> None:
+    """Delete `node`'s registration and last heartbeat (whatever their versions)."""
+    for kind in (NODE, HEARTBEAT):
+        while (record := store.get(kind, node)) is not None and not store.delete(kind, node, record.version):
+            pass
+
+
 def set_node_draining(store: Store, node: str, draining: bool) -> bool:
     """Set the node's `draining` flag; False if `node` is not registered."""
     while True:

@@ -797,6 +797,13 @@ class Admin:
         )
         return response
 
+    async def forget_node(self, node: str) -> list[cluster_pb2.QueueRecord]:
+        """Remove a node that is gone for good; the queues deleted with it (they lived only there)."""
+        response: cluster_pb2.ForgetNodeResponse = await self._call(
+            "ForgetNode", cluster_pb2.ForgetNodeRequest(node=node)
+        )
+        return list(response.deleted_queues)
+
     # ------------------------------------------------- users, vhosts, permissions (administrators)
 
     async def add_user(self, name: str, password: str, tags: Sequence[str] = ()) -> None:

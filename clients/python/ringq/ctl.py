@@ -4,7 +4,7 @@
              [--json] COMMAND ...
 
 Cluster commands, sent to a node's AdminService (which answers from the
-coordinator): cluster_status, drain_node, undrain_node, set_policy,
+coordinator): cluster_status, drain_node, undrain_node, forget_node, set_policy,
 clear_policy, list_policies, list_leases. Queue commands, sent to a node's
 QueueService (which forwards them to the queue's master): declare_queue,
 delete_queue, purge_queue, sync_queue, cancel_sync_queue. list_queues and
@@ -297,6 +297,15 @@ def undrain_node(c: Admin, args: argparse.Namespace) -> tuple[Any, str]:
     return _as_json(response), f"node {args.node_id!r} takes new replicas again"
 
 
+def forget_node(c: Admin, args: argparse.Namespace) -> tuple[Any, str]:
+    response = c.call(lambda s: s.ForgetNode, cluster_pb2.ForgetNodeRequest(node=args.node_id))
+    deleted = ", ".join(f"{q.name!r} (vhost {q.vhost!r})" for q in response.deleted_queues)
+    text = f"node {args.node_id!r} forgotten" + (
+        f"; queues that lived only on it deleted: {deleted}" if deleted else ""
+    )
+    return _as_json(response), text
+
+
 def set_policy(c: Admin, args: argparse.Namespace) -> tuple[Any, str]:
     policy = cluster_pb2.Policy(
         vhost=args.vhost,
@@ -541,6 +550,7 @@ def parser() -> argparse.ArgumentParser:
     for name, run, text in (
         ("drain_node", drain_node, "stop placing new replicas on a node (before taking it down)"),
         ("undrain_node", undrain_node, "place new replicas on a node again"),
+        ("forget_node", forget_node, "remove a node that is gone for good, with the queues that lived only on it"),
     ):
         command(name, run, text).add_argument("node_id", metavar="NODE", help="the node's id")
     sub = command("set_policy", set_policy, "create or replace a policy, applied to existing queues at once")
