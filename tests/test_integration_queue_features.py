@@ -198,3 +198,24 @@ def test_a_deleted_queue_confirms_and_delivers_nothing_once_the_delete_has_retur
                 await producer.close()
 
     asyncio.run(scenario())
+
+
+def test_an_auto_delete_queue_goes_with_its_last_consumer(nodes: list[str]) -> None:
+    async def scenario() -> None:
+        async with aio.Connection(nodes) as client:
+            await client.declare_queue("auto.q", auto_delete=True)
+            await client.producer("auto.q").publish(b"m")
+            consumer = client.consumer("auto.q", prefetch=10)
+            assert (await asyncio.wait_for(anext(aiter(consumer)), 10)).body == b"m"
+            await consumer.close()
+            deadline = time.monotonic() + 10
+            while True:
+                try:
+                    await client.queue_status("auto.q")
+                except grpc.aio.AioRpcError as error:
+                    assert error.code() == grpc.StatusCode.NOT_FOUND, error
+                    break
+                assert time.monotonic() < deadline, "the auto-delete queue outlived its last consumer"
+                await asyncio.sleep(0.05)
+
+    asyncio.run(scenario())

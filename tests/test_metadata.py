@@ -48,6 +48,16 @@ def test_the_effective_policy_places_a_new_queue() -> None:
     assert _declare(store, "plain").mirrors == ()
 
 
+def test_an_exclusive_queue_is_never_mirrored_whatever_its_policy() -> None:
+    """An exclusive queue belongs to its owner on one node (RabbitMQ never mirrors them); its policy's
+    ha-* keys are dropped, or a floor of synchronised mirrors it can never have would hold its confirms."""
+    store = MemoryStore()
+    metadata.set_policy(store, Policy("/", "all", "^ha\\.", {"ha-mode": "all", "max-length": 5}), NODES)
+    queue = _declare(store, "ha.mine", exclusive_owner="session-1")
+    assert queue.mirrors == () and queue.policy == "all"
+    assert "ha-mode" not in queue.policy_definition and queue.policy_definition["max-length"] == 5
+
+
 def test_policies_apply_live_to_existing_queues() -> None:
     store = MemoryStore()
     queue = _declare(store, "ha.q")

@@ -365,6 +365,33 @@ def test_a_transient_queue_whose_replicas_all_restarted_is_deleted_not_recovered
     assert fresh.core.role is Role.MASTER and not fresh.take(DeleteRecord)
 
 
+def test_an_auto_delete_queue_is_deleted_when_its_last_consumer_goes() -> None:
+    """auto_delete was stored and never acted on."""
+    driven = fresh_master(durable=False, mirrors=(), live=())
+    driven.set_record(auto_delete=True)
+    driven.run(driven.core.consume("a", 10, 0, 0))
+    driven.run(driven.core.consume("b", 10, 0, 0))
+    driven.run(driven.core.cancel("a", 0))
+    assert not driven.take(DeleteRecord), "a consumer is left"
+    driven.run(driven.core.cancel("b", 0))
+    [delete] = driven.take(DeleteRecord)
+    assert delete.still(driven.record) and not delete.still(dataclasses.replace(driven.record, master_epoch=9))
+    # Without auto_delete, the last consumer going changes nothing.
+    plain = fresh_master(durable=False, mirrors=(), live=())
+    plain.run(plain.core.consume("a", 10, 0, 0))
+    plain.run(plain.core.cancel("a", 0))
+    assert not plain.take(DeleteRecord)
+
+
+def test_an_exclusive_queue_does_not_outlive_its_node_even_if_durable() -> None:
+    queue = record(durable=True, exclusive_owner="session-1", mirrors=(), master_epoch=2)
+    driven = Driven("node1", queue)
+    driven.run(driven.core.on_joined("node1.x", ["node1.x"], 0))
+    driven.tick(2_000)
+    driven.set_record(recovery_positions={"node1": "0.0"})
+    assert driven.take(DeleteRecord), "a restarted exclusive queue is deleted, not recovered"
+
+
 def test_a_damaged_log_that_wins_is_rewritten_fresh_and_reported() -> None:
     driven = recovered("node1", Position(3, 50), Message(7, b"seven", persistent=True), damaged=True)
     assert any(e.kind == "log_damaged" for e in driven.core.events)

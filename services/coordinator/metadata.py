@@ -256,6 +256,8 @@ def _placed(
     """
     effective = policies.effective_policy(queue.vhost, queue.name, all_policies)
     definition = with_default_bound(dict(effective.definition) if effective else {})
+    if queue.exclusive_owner:  # an exclusive queue is its owner's alone, on one node: never mirrored
+        definition = {key: value for key, value in definition.items() if not key.startswith("ha-")}
     replication = str(definition.get("replication", "all"))
     if queue.master and queue.master not in live_nodes:
         # A lost master is replaced by the queue's own replicas, which know which mirror is
@@ -270,7 +272,7 @@ def _placed(
     # still know whose log to wait for before electing one (services/queue/durability.py).
     kept = [m for m in queue.synchronised_mirrors if m in queue.mirrors and m not in candidates]
     candidates = [*candidates, *kept]
-    if replication == "none" or effective is None:
+    if replication == "none" or effective is None or queue.exclusive_owner:
         definition_for_placement: Mapping[str, Any] | None = None
     else:
         definition_for_placement = dict(effective.definition) or None

@@ -816,7 +816,24 @@ class ReplicaCore:
         return self._carry_out(self._require_master().consume(tag, prefetch, priority), now_ms)
 
     def cancel(self, tag: str, now_ms: int) -> list[Effect]:
-        return self._carry_out(self._require_master().cancel(tag), now_ms)
+        master = self._require_master()
+        effects = self._carry_out(master.cancel(tag), now_ms)
+        if self.record.auto_delete and not master.consumer_tags:
+            effects += self._delete_auto_deleted(now_ms)
+        return effects
+
+    def _delete_auto_deleted(self, now_ms: int) -> list[Effect]:
+        """An auto-delete queue whose last consumer went is deleted (RabbitMQ's rule: it had one, since
+        only a cancel gets here), unless a new master took it meanwhile."""
+        epoch = self.record.master_epoch
+
+        def still(current: QueueRecord) -> bool:
+            return current.master_epoch == epoch and current.auto_delete
+
+        return [
+            *self._event(now_ms, "deleted", "auto-delete queue: its last consumer went"),
+            DeleteRecord(still, "delete the auto-delete queue: its last consumer went"),
+        ]
 
     def settle(
         self, tag: str, settlements: list[Settlement], now_ms: int
@@ -1368,7 +1385,8 @@ class ReplicaCore:
             self.expected_winner = (winner, claims[winner])
             return []
         me, epoch = self.node, record.master_epoch
-        if not self.durable and epoch > 0:  # epoch 0: a new queue, never served yet
+        transient = not self.durable or bool(record.exclusive_owner)  # exclusive queues never outlive their node
+        if transient and epoch > 0:  # epoch 0: a new queue, never served yet
             return self._delete_transient(epoch, now_ms)
 
         def take(current: QueueRecord) -> QueueRecord | None:
