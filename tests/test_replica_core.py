@@ -10,7 +10,18 @@ import pytest
 
 from services.queue.durability import Claim, Position
 from services.queue.master import EPOCH_ID_SHIFT, Publish, PublishOutcome, QueueError, Settlement
-from services.queue.ops import Depth, Desynchronised, Enqueue, Message, Noticed, Persisted, Synchronised, SyncRequest
+from services.queue.ops import (
+    Depth,
+    Desynchronised,
+    Enqueue,
+    Message,
+    Noticed,
+    Persisted,
+    Settle,
+    Synchronised,
+    SyncRequest,
+    Transaction,
+)
 from services.queue.replica_core import (
     AbandonSteps,
     AppendToLog,
@@ -390,6 +401,18 @@ def test_an_exclusive_queue_does_not_outlive_its_node_even_if_durable() -> None:
     driven.tick(2_000)
     driven.set_record(recovery_positions={"node1": "0.0"})
     assert driven.take(DeleteRecord), "a restarted exclusive queue is deleted, not recovered"
+
+
+def test_a_mirror_applies_and_logs_a_transaction_as_one_report() -> None:
+    driven = mirror_of()
+    driven.reports("node1.a", 2, persistent(7), persistent(8))
+    driven.take(AppendToLog)
+    driven.reports("node1.a", 4, Transaction((Settle((7,)), persistent(9), persistent(10))))
+    mirror = driven.core.mirror
+    assert mirror is not None and sorted(mirror.contents.messages) == [8, 9, 10]
+    [append, mark] = driven.take(AppendToLog)
+    assert [m.id for m in append.enqueued] == [9, 10] and list(append.removed) == [7]
+    assert mark.position is not None and mark.position.seq == 4, "the log's mark names the transaction's report"
 
 
 def test_a_damaged_log_that_wins_is_rewritten_fresh_and_reported() -> None:

@@ -39,6 +39,7 @@ from services.queue.ops import (
     Settle,
     SyncBatch,
     SyncDone,
+    Transaction,
 )
 
 
@@ -149,6 +150,9 @@ class QueueContents:
                 if message_id in self.unacked:
                     self.unacked.discard(message_id)
                     self._make_ready(message_id)
+        elif isinstance(report, Transaction):
+            for change in report.changes:
+                self.apply(change)
         elif isinstance(report, Depth):
             self.master_depth = report.depth
         elif isinstance(report, SyncBatch):

@@ -26,7 +26,7 @@ from __future__ import annotations
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from services.queue.ops import Discard, Enqueue, Message, Report, Settle
+from services.queue.ops import Discard, Enqueue, Message, Report, Settle, unpacked
 
 DAMAGED = "damaged"
 
@@ -128,11 +128,12 @@ def log_changes(reports: Iterable[Report]) -> tuple[list[Message], list[int]]:
     enqueued: list[Message] = []
     removed: list[int] = []
     for report in reports:
-        if isinstance(report, Enqueue):
-            if report.message.persistent:
-                enqueued.append(report.message)
-        elif isinstance(report, Settle | Discard):
-            removed.extend(report.ids)
+        for change in unpacked(report):
+            if isinstance(change, Enqueue):
+                if change.message.persistent:
+                    enqueued.append(change.message)
+            elif isinstance(change, Settle | Discard):
+                removed.extend(change.ids)
     return enqueued, removed
 
 

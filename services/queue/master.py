@@ -28,7 +28,20 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from services.queue.contents import QueueContents
-from services.queue.ops import Deliver, Depth, Discard, Enqueue, Message, Report, Requeue, Settle, SyncBatch, SyncDone
+from services.queue.ops import (
+    PLAIN_CHANGE_TYPES,
+    Deliver,
+    Depth,
+    Discard,
+    Enqueue,
+    Message,
+    Report,
+    Requeue,
+    Settle,
+    SyncBatch,
+    SyncDone,
+    Transaction,
+)
 
 SYNC_BATCH_MESSAGES = 1000
 # A master numbers its messages from `epoch << EPOCH_ID_SHIFT` up (or past the highest id it holds), so
@@ -300,6 +313,65 @@ class QueueMaster:
         if step.reports:  # something was settled: room for deliveries (an unknown tag alone changes nothing)
             self._dispatch(step)
         return step, error
+
+    def commit(
+        self, consumer: str, settlements: Sequence[Settlement], items: Sequence[Publish], now_ms: int
+    ) -> tuple[Step, list[PublishOutcome]]:
+        """A transaction: the consumer's settlements, then the publishes, all or none. Refused with
+        QueueError, nothing changed, if a delivery tag is unknown or (overflow reject-publish) the queue
+        has no room for every new message. Otherwise one Transaction report holds every change made
+        (drop-head discards included), followed by the deliveries it made room for."""
+        self._check_settlements(consumer, settlements)
+        self._check_room(items)
+        step = Step()
+        for settlement in settlements:
+            ids = self._take_tags(consumer, settlement.delivery_tag, settlement.multiple)
+            if settlement.kind == "ack":
+                self._report(Settle(tuple(ids)), step)
+            elif settlement.kind == "requeue":
+                self._requeue(ids, step)
+            else:
+                self._discard(ids, "rejected", step)
+        outcomes = [self._publish_one(item, now_ms, step) for item in items]
+        if step.reports:
+            step.last_log_change = 0 if step.last_log_change >= 0 else -1
+            changes = [report for report in step.reports if isinstance(report, PLAIN_CHANGE_TYPES)]
+            assert len(changes) == len(step.reports), "settling and publishing make plain changes only"
+            step.reports = [Transaction(tuple(changes))]
+        self._dispatch(step)
+        return step, outcomes
+
+    def _check_settlements(self, consumer_tag: str, settlements: Sequence[Settlement]) -> None:
+        """QueueError unless every settlement, taken in order, names delivery tags the consumer holds."""
+        consumer = self._consumers.get(consumer_tag)
+        held = set(consumer.unacked) if consumer is not None else set()
+        for settlement in settlements:
+            if settlement.delivery_tag not in held:
+                raise QueueError(
+                    "FAILED_PRECONDITION",
+                    f"unknown delivery tag {settlement.delivery_tag} for consumer {consumer_tag!r} on {self.name!r}: "
+                    "the transaction is refused whole",
+                )
+            if settlement.multiple:
+                held -= {tag for tag in held if tag <= settlement.delivery_tag}
+            else:
+                held.discard(settlement.delivery_tag)
+
+    def _check_room(self, items: Sequence[Publish]) -> None:
+        """QueueError (RESOURCE_EXHAUSTED) if reject-publish would refuse any of the new messages."""
+        limits, contents = self.limits, self.contents
+        if limits.overflow != "reject-publish":
+            return
+        fresh = [item for item in items if not contents.is_duplicate(item.publisher, item.seq)]
+        too_long = limits.max_length is not None and len(contents) + len(fresh) > limits.max_length
+        extra = sum(len(item.body) for item in fresh)
+        too_big = limits.max_length_bytes is not None and contents.bytes + extra > limits.max_length_bytes
+        if fresh and (too_long or too_big):
+            raise QueueError(
+                "RESOURCE_EXHAUSTED",
+                f"queue {self.name!r} is full (overflow reject-publish): the transaction's {len(fresh)} messages "
+                "would not all fit, so none is added",
+            )
 
     def _take_tags(self, consumer_tag: str, delivery_tag: int, multiple: bool) -> list[int]:
         consumer = self._consumers.get(consumer_tag)

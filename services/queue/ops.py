@@ -80,6 +80,19 @@ class Discard:
     reason: str
 
 
+PlainChange = Enqueue | Deliver | Settle | Requeue | Discard
+PLAIN_CHANGE_TYPES = (Enqueue, Deliver, Settle, Requeue, Discard)
+
+
+@dataclass(frozen=True, slots=True)
+class Transaction:
+    """A committed transaction: its changes, applied together. It travels as one ring message, so
+    every replica applies all of them or none (a master that dies mid-broadcast leaves a prefix of
+    its *messages*, never of one message)."""
+
+    changes: tuple[PlainChange, ...]
+
+
 @dataclass(frozen=True, slots=True)
 class Depth:
     """The master's depth (ready + pending acknowledgement) at this point of the stream,
@@ -138,7 +151,7 @@ class Synchronised:
     member: str
 
 
-Report = Enqueue | Deliver | Settle | Requeue | Discard | Depth | SyncBatch | SyncDone
+Report = Enqueue | Deliver | Settle | Requeue | Discard | Transaction | Depth | SyncBatch | SyncDone
 
 
 @dataclass(frozen=True, slots=True)
@@ -170,3 +183,8 @@ class Noticed:
 
 
 MirrorSays = SyncRequest | Synchronised | Desynchronised | Persisted | Noticed
+
+
+def unpacked(report: Report) -> tuple[Report, ...]:
+    """A transaction's changes in order; any other report alone."""
+    return report.changes if isinstance(report, Transaction) else (report,)

@@ -165,14 +165,28 @@ class QueueReplica:
         """Decide on `items` now (a publisher's batches are taken in call order); the future completes
         once they are confirmed. While this node's disk alarm is on, persistent messages of a durable
         queue are refused (RESOURCE_EXHAUSTED, with the reason)."""
-        if self.record.durable and any(item.persistent for item in items):
-            alarm = self.host.disk_alarm()
-            if alarm:
-                raise QueueError("RESOURCE_EXHAUSTED", f"queue {self.record.name!r}: {alarm}; persistent messages wait")
+        self._refuse_persistent_under_disk_alarm(items)
         step_id, outcomes, effects = self.core.publish(items, now_ms())
         future = self._waiter(step_id, outcomes)
         self._execute(effects)
         return future  # type: ignore[return-value]
+
+    def commit(
+        self, consumer: str, settlements: list[Settlement], items: list[Publish]
+    ) -> asyncio.Future[list[PublishOutcome]]:
+        """Decide a transaction now (QueueError, nothing changed, if it is refused); the future completes
+        once all of it is confirmed, as a publish's does."""
+        self._refuse_persistent_under_disk_alarm(items)
+        step_id, outcomes, effects = self.core.commit(consumer, settlements, items, now_ms())
+        future = self._waiter(step_id, outcomes)
+        self._execute(effects)
+        return future  # type: ignore[return-value]
+
+    def _refuse_persistent_under_disk_alarm(self, items: list[Publish]) -> None:
+        if self.record.durable and any(item.persistent for item in items):
+            alarm = self.host.disk_alarm()
+            if alarm:
+                raise QueueError("RESOURCE_EXHAUSTED", f"queue {self.record.name!r}: {alarm}; persistent messages wait")
 
     async def consume(self, tag: str, prefetch: int, priority: int) -> Consumer:
         consumer = Consumer(tag)

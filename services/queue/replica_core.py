@@ -79,6 +79,7 @@ import enum
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from services.coordinator import queue_arguments
 from services.coordinator.metadata import QueueRecord
@@ -120,11 +121,13 @@ from services.queue.ops import (
     SyncBatch,
     Synchronised,
     SyncRequest,
+    Transaction,
+    unpacked,
 )
 
 MAX_EVENTS = 32
 # Reports a mirror applies as they are (the bulk of them), and what mirrors say to the master.
-_PLAIN_CHANGES: frozenset[type] = frozenset({Enqueue, Deliver, Settle, Requeue, Discard})
+_PLAIN_CHANGES: frozenset[type] = frozenset({Enqueue, Deliver, Settle, Requeue, Discard, Transaction})
 _MIRROR_SAYS: frozenset[type] = frozenset({SyncRequest, Synchronised, Desynchronised, Persisted, Noticed})
 # How often a replica that waited out the recovery wait looks at the election again.
 RECOVERY_RECHECK_MS = 500
@@ -617,17 +620,20 @@ class ReplicaCore:
             seq += 1
             kind = type(report)
             if kind in _PLAIN_CHANGES:
-                if logging:
-                    before = contents.persistent_changes
-                    contents.apply(report)  # type: ignore[arg-type]
-                    if contents.persistent_changes != before:
-                        self._log_change_seq = seq
-                        if kind is Enqueue:
-                            enqueued.append(report.message)  # type: ignore[union-attr]
-                        else:
-                            removed.extend(report.ids)  # type: ignore[union-attr]
-                else:
-                    contents.apply(report)  # type: ignore[arg-type]
+                # A transaction's changes are applied here together, within this one ring message.
+                changes: tuple[Any, ...] = report.changes if kind is Transaction else (report,)  # type: ignore[union-attr]
+                for change in changes:
+                    if logging:
+                        before = contents.persistent_changes
+                        contents.apply(change)
+                        if contents.persistent_changes != before:
+                            self._log_change_seq = seq
+                            if type(change) is Enqueue:
+                                enqueued.append(change.message)
+                            else:
+                                removed.extend(change.ids)
+                    else:
+                        contents.apply(change)
                 continue
             if kind in _MIRROR_SAYS:
                 continue  # said to the master, not by it
@@ -800,15 +806,30 @@ class ReplicaCore:
             raise QueueError("UNAVAILABLE", f"queue {self.record.name!r} has no master on this node ({self.status()})")
         return self.master.core
 
-    def publish(self, items: list[Publish], now_ms: int) -> tuple[int, list[PublishOutcome], list[Effect]]:
-        master = self._require_master()
+    def _refuse_persistent_if_disk_failed(self, items: list[Publish]) -> None:
         if self.log is LogState.FAILED and any(item.persistent for item in items):
             raise QueueError(
                 "RESOURCE_EXHAUSTED",
                 f"queue {self.record.name!r}: the disk of its master on {self.node} failed; persistent messages are "
                 "refused until it writes again",
             )
+
+    def publish(self, items: list[Publish], now_ms: int) -> tuple[int, list[PublishOutcome], list[Effect]]:
+        master = self._require_master()
+        self._refuse_persistent_if_disk_failed(items)
         step, outcomes = master.publish(items, now_ms)
+        step_id, effects = self._carry_out_step(step, now_ms, publishes=True)
+        return step_id, outcomes, effects
+
+    def commit(
+        self, consumer: str, settlements: list[Settlement], items: list[Publish], now_ms: int
+    ) -> tuple[int, list[PublishOutcome], list[Effect]]:
+        """A transaction (services/queue/master.py `commit`): one Transaction report, so every replica
+        applies all of it or none, even if this master dies while broadcasting it; answered, like a
+        publish, once what a confirm promises holds for all of it."""
+        master = self._require_master()
+        self._refuse_persistent_if_disk_failed(items)
+        step, outcomes = master.commit(consumer, settlements, items, now_ms)
         step_id, effects = self._carry_out_step(step, now_ms, publishes=True)
         return step_id, outcomes, effects
 
@@ -898,12 +919,13 @@ class ReplicaCore:
             enqueued: list[Message] = []
             removed: list[int] = []
             for index, report in enumerate(step.reports):
-                if isinstance(report, Enqueue):
-                    if report.message.persistent:
-                        enqueued.append(report.message)
-                        persistent_seq = first + index if last_seq else 0
-                elif isinstance(report, Settle | Discard):
-                    removed.extend(report.ids)
+                for change in unpacked(report):
+                    if isinstance(change, Enqueue):
+                        if change.message.persistent:
+                            enqueued.append(change.message)
+                            persistent_seq = first + index if last_seq else 0
+                    elif isinstance(change, Settle | Discard):
+                        removed.extend(change.ids)
             if enqueued:
                 state.last_persistent_seq = max(state.last_persistent_seq, persistent_seq)
             if self.log is LogState.KEEPING:

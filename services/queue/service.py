@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from typing import Any, TypeVar
 
 import grpc
@@ -419,19 +419,7 @@ class QueueServicer(queue_pb2_grpc.QueueServiceServicer):
                         pending.put_nowait(asyncio.ensure_future(self._forward_publish(stub, request, forwarded)))
                         continue
                     assert replica is not None
-                    publisher = scoped_publisher(principal, request.publisher)
-                    items = [
-                        Outgoing(
-                            m.body,
-                            publisher,
-                            m.seq,
-                            m.persistent,
-                            dict(m.headers) if m.headers else {},
-                            m.priority,
-                            m.expiration_ms or None,
-                        )
-                        for m in request.messages
-                    ]
+                    items = _outgoing(scoped_publisher(principal, request.publisher), request.messages)
                     try:
                         confirmed = replica.publish_in_order(items)
                     except QueueError as error:
@@ -607,6 +595,34 @@ class QueueServicer(queue_pb2_grpc.QueueServiceServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"the queue's master went away: {error}; retry")
         return queue_pb2.SettleResponse()
 
+    async def Commit(self, request: queue_pb2.CommitRequest, context: _Context) -> queue_pb2.CommitResponse:
+        problem = _commit_problem(request)
+        if problem:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
+        if request.settlements and request.messages:  # settling needs read, publishing write: both here
+            await self.access.allow(context, _vhost(request.queue), Operation.READ, request.queue.queue)
+        operation = Operation.WRITE if request.messages else Operation.READ
+        replica, stub, _ = await self._route(request.queue, context, operation)
+        if stub is not None:
+            return await self._relay(context, stub.Commit(request), queue_pb2.CommitResponse)
+        assert replica is not None
+        principal = await self.access.principal(context)
+        items = _outgoing(scoped_publisher(principal, request.publisher), request.messages)
+        settlements = [Settlement(s.delivery_tag, s.multiple, _SETTLE[s.kind]) for s in request.settlements]
+        try:
+            outcomes = await replica.commit(request.consumer_tag, settlements, items)
+        except QueueError as error:
+            await self._queue_error(context, error)
+        except ConnectionAbortedError as error:
+            await context.abort(
+                grpc.StatusCode.UNAVAILABLE,
+                f"the queue's master went away: {error}; the transaction was applied whole or not at all: retry it "
+                "(its messages are not added twice)",
+            )
+        return queue_pb2.CommitResponse(
+            seqs=[m.seq for m in request.messages], outcomes=[_OUTCOMES[o] for o in outcomes]
+        )
+
     async def Get(self, request: queue_pb2.GetRequest, context: _Context) -> queue_pb2.GetResponse:
         replica, stub, _ = await self._route(request.queue, context, Operation.READ)
         if stub is not None:
@@ -642,16 +658,47 @@ async def _unless_master_moves(reply: Awaitable[_T], moved: asyncio.Future[str],
     raise Refused(grpc.StatusCode.UNAVAILABLE, f"queue {queue!r}: its master moved to {moved.result()}; retry")
 
 
+def _outgoing(publisher: str, messages: Iterable[queue_pb2.OutgoingMessage]) -> list[Outgoing]:
+    return [
+        Outgoing(
+            m.body,
+            publisher,
+            m.seq,
+            m.persistent,
+            dict(m.headers) if m.headers else {},
+            m.priority,
+            m.expiration_ms or None,
+        )
+        for m in messages
+    ]
+
+
 def _publish_problem(request: queue_pb2.PublishRequest) -> str | None:
-    if not request.queue.queue:
-        return "queue must not be empty"
-    if len(request.publisher.encode()) > MAX_PUBLISHER_BYTES:
-        return f"publisher must be at most {MAX_PUBLISHER_BYTES} bytes, got {len(request.publisher.encode())}"
     if not request.messages:
         return "messages must not be empty"
-    if len(request.messages) > MAX_MESSAGES_PER_PUBLISH:
-        return f"a request carries {len(request.messages)} messages; at most {MAX_MESSAGES_PER_PUBLISH} are allowed"
-    for index, message in enumerate(request.messages):
+    return _messages_problem(request.queue, request.publisher, request.messages)
+
+
+def _commit_problem(request: queue_pb2.CommitRequest) -> str | None:
+    if len(request.settlements) > MAX_MESSAGES_PER_PUBLISH:
+        count = len(request.settlements)
+        return f"a commit carries {count} settlements; at most {MAX_MESSAGES_PER_PUBLISH} are allowed"
+    for index, settlement in enumerate(request.settlements):
+        if settlement.kind not in _SETTLE:
+            return f"settlements[{index}].kind must be ACK, REQUEUE or REJECT"
+    return _messages_problem(request.queue, request.publisher, request.messages)
+
+
+def _messages_problem(
+    queue: queue_pb2.QueueRef, publisher: str, messages: Sequence[queue_pb2.OutgoingMessage]
+) -> str | None:
+    if not queue.queue:
+        return "queue must not be empty"
+    if len(publisher.encode()) > MAX_PUBLISHER_BYTES:
+        return f"publisher must be at most {MAX_PUBLISHER_BYTES} bytes, got {len(publisher.encode())}"
+    if len(messages) > MAX_MESSAGES_PER_PUBLISH:
+        return f"a request carries {len(messages)} messages; at most {MAX_MESSAGES_PER_PUBLISH} are allowed"
+    for index, message in enumerate(messages):
         if len(message.body) > MAX_BODY_BYTES:
             return f"messages[{index}].body has {len(message.body)} bytes; at most {MAX_BODY_BYTES} are allowed"
         if message.expiration_ms > MAX_TTL_MS:

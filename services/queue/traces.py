@@ -16,15 +16,16 @@ from ringq import tracing
 from services.gm.messages import Activity, RingMessage
 from services.queue import wire
 from services.queue.master import Delivery
-from services.queue.ops import Enqueue, Message, Report
+from services.queue.ops import Enqueue, Message, Report, Transaction, unpacked
 
 
 def _traced(reports: Iterable[Report]) -> list[Message]:
     """The messages of enqueue reports that carry a trace context."""
     messages: list[Message] = []
     for report in reports:
-        if isinstance(report, Enqueue) and tracing.TRACEPARENT in report.message.headers:
-            messages.append(report.message)
+        for change in unpacked(report):
+            if isinstance(change, Enqueue) and tracing.TRACEPARENT in change.message.headers:
+                messages.append(change.message)
     return messages
 
 
@@ -85,7 +86,7 @@ def ring_hop_observer(queue: str, node: str) -> Callable[[RingMessage, str], Non
                     report = wire.decode(payload)
                 except ValueError:
                     continue
-                if not isinstance(report, Enqueue):
+                if not isinstance(report, Enqueue | Transaction):
                     continue
                 for traced in _traced([report]):
                     attributes = _attributes(queue, node, traced) | {

@@ -20,6 +20,7 @@ from services.queue.ops import (
     MirrorSays,
     Noticed,
     Persisted,
+    PlainChange,
     Report,
     Requeue,
     Settle,
@@ -27,6 +28,7 @@ from services.queue.ops import (
     SyncDone,
     Synchronised,
     SyncRequest,
+    Transaction,
 )
 
 AnyReport = Report | MirrorSays
@@ -77,6 +79,9 @@ def encode(report: AnyReport) -> bytes:
     elif isinstance(report, Discard):
         out.discard.ids.extend(report.ids)
         out.discard.reason = report.reason
+    elif isinstance(report, Transaction):
+        for change in report.changes:
+            out.transaction.changes.add().ParseFromString(encode(change))
     elif isinstance(report, Depth):
         out.depth = report.depth
         out.epoch = report.epoch
@@ -126,6 +131,8 @@ def decode(data: bytes) -> AnyReport:
         return Requeue(tuple(report.requeue.ids))
     if kind == "discard":
         return Discard(tuple(report.discard.ids), report.discard.reason)
+    if kind == "transaction":
+        return Transaction(tuple(_plain_change(change) for change in report.transaction.changes))
     if kind == "depth":
         return Depth(report.depth, report.epoch)
     if kind == "sync_batch":
@@ -156,3 +163,11 @@ def decode(data: bytes) -> AnyReport:
     if kind == "noticed":
         return Noticed(report.noticed.member, report.noticed.kind, report.noticed.detail)
     raise ValueError("queue report without a kind")
+
+
+def _plain_change(report: pb.QueueReport) -> PlainChange:
+    """One change of a transaction: only enqueue, deliver, settle, requeue or discard (ValueError else)."""
+    change = decode(report.SerializeToString())
+    if not isinstance(change, Enqueue | Deliver | Settle | Requeue | Discard):
+        raise ValueError(f"a transaction may not hold a {type(change).__name__} report")
+    return change

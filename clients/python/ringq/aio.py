@@ -53,6 +53,7 @@ from ringq import tracing
 from ringq.history import History
 from ringq.keepalive import CHANNEL_KEEPALIVE
 from ringq.security import TLS, Credentials, aio_channel, authenticated
+from ringq.transaction import Transaction
 from ringq.v1 import access_pb2, admin_pb2_grpc, cluster_pb2, queue_pb2, queue_pb2_grpc
 
 CHANNEL_OPTIONS = [
@@ -333,6 +334,11 @@ class Producer:
     def unconfirmed(self) -> int:
         return len(self._unconfirmed)
 
+    def transaction(self, consumer: Consumer | None = None) -> Transaction:
+        """A transaction of this producer's messages and `consumer`'s acknowledgements (ringq.transaction):
+        `async with producer.transaction(consumer) as tx:` commits on leaving, rolls back on an exception."""
+        return Transaction(self, consumer)
+
     async def send(
         self,
         body: bytes,
@@ -594,6 +600,15 @@ class Consumer:
                 "ack", queue=self.queue, publisher=delivery.publisher, seq=delivery.seq, message_id=delivery.message_id
             )
         return True
+
+    def acknowledged_elsewhere(self, deliveries: Sequence[Delivery]) -> None:
+        """These deliveries were acknowledged by a committed transaction: forget them as acknowledged."""
+        stream = self._stream
+        for delivery in deliveries:
+            if delivery._stream == stream.number:
+                key = stream.unsettled.pop(delivery.delivery_tag, None)
+                if key is not None:
+                    self._acked[key] = None
 
     def _queue_settlement(self, stream: _Stream, settlement: queue_pb2.Settlement) -> None:
         tag = settlement.delivery_tag
