@@ -21,6 +21,7 @@ from collections import deque
 from collections.abc import Awaitable, Callable
 
 from ringq import tracing
+from services import failpoints
 from services.coordinator.metadata import QueueRecord
 from services.gm.member import MemberEvent, MemberShell
 from services.gm.messages import Deliver as GmDeliver
@@ -180,6 +181,7 @@ class QueueReplica:
         step_id, outcomes, effects = self.core.commit(consumer, settlements, items, now_ms())
         future = self._waiter(step_id, outcomes)
         self._execute(effects)
+        failpoints.reached("transaction.decided")
         return future  # type: ignore[return-value]
 
     def _refuse_persistent_under_disk_alarm(self, items: list[Publish]) -> None:

@@ -8,11 +8,12 @@ report: every replica holds all of it or none. A rollback sends nothing.
         tx.ack(delivery)
         tx.publish(b"result")
 
-Guarantees: `commit` returns once every message is confirmed as a publish is (the outcomes, in order);
-a commit retried after a failover adds no message twice (the messages keep their seqs, numbered by the
-producer). Acknowledgements name delivery tags of the consumer's current stream: after a failover they
-are refused (FAILED_PRECONDITION) and the deliveries come back redelivered, as in RabbitMQ, where a
-channel's transaction dies with its channel.
+Guarantees: `commit` returns once every message is confirmed as a publish is (the outcomes, in order).
+A commit of publishes only is retried on another node if its node fails, and adds no message twice (the
+messages keep their seqs, numbered by the producer). A commit with acknowledgements is not retried: they
+name delivery tags of the consumer's stream, which after a failover name other deliveries. If it fails
+it was applied whole or not at all; its deliveries come back redelivered if it was not, as in RabbitMQ,
+where a channel's transaction dies with its channel.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ class Transaction:
     _messages: list[queue_pb2.OutgoingMessage] = field(default_factory=list)
     _settlements: list[queue_pb2.Settlement] = field(default_factory=list)
     _acked: list[Delivery] = field(default_factory=list)
+    _consumer_tag: str = ""  # the tag the broker gave the stream the settled deliveries came on
 
     def publish(
         self,
@@ -73,8 +75,11 @@ class Transaction:
     def _settle(self, delivery: Delivery, kind: str, multiple: bool) -> None:
         from ringq.aio import _KINDS  # ringq.aio imports this module
 
-        if self.consumer is None or delivery.consumer_tag != self.consumer.consumer_tag:
+        if self.consumer is None or delivery._consumer is not self.consumer:
             raise ValueError("a transaction settles deliveries of the consumer it was opened with only")
+        if self._settlements and delivery.consumer_tag != self._consumer_tag:
+            raise ValueError("a transaction settles deliveries of one consumer stream (the consumer reattached)")
+        self._consumer_tag = delivery.consumer_tag
         if delivery.queue != self.producer.queue:
             raise ValueError(f"a transaction is on one queue ({self.producer.queue!r}), not {delivery.queue!r}")
         self._settlements.append(
@@ -93,12 +98,19 @@ class Transaction:
             queue=producer.connection.ref(producer.queue),
             publisher=producer.publisher_id,
             messages=self._messages,
-            consumer_tag=self.consumer.consumer_tag if self.consumer is not None else "",
+            consumer_tag=self._consumer_tag,
             settlements=self._settlements,
         )
         acked = self._acked
         self.rollback()
-        response: queue_pb2.CommitResponse = await producer.connection.call("Commit", request)
+        connection = producer.connection
+        if request.settlements:
+            # Not retried: delivery tags belong to the consumer's stream, and after a failover the same tag
+            # names another delivery. A commit that fails here was applied whole or not at all.
+            call = connection.stub().Commit(request, timeout=connection.call_timeout)
+            response: queue_pb2.CommitResponse = await call
+        else:
+            response = await connection.call("Commit", request)  # publishes only: a retry adds nothing twice
         if self.consumer is not None:
             self.consumer.acknowledged_elsewhere(acked)
         return [_OUTCOMES[outcome] for outcome in response.outcomes]
@@ -108,6 +120,7 @@ class Transaction:
         self._messages = []
         self._settlements = []
         self._acked = []
+        self._consumer_tag = ""
 
     async def __aenter__(self) -> Transaction:
         return self
