@@ -3,13 +3,15 @@ and writes every output.
 
 Responsible for: the Spark session (a light local one unless the caller passes or already has one),
 the order of the steps, writing the Parquet tables (`messages/`, `stages/`, `throughput/`,
-`violations/`), collecting the small aggregates the report needs, and `summary.json`.
+`failover_buckets/`, `violations/`), collecting the small aggregates the report needs, and
+`summary.json`.
 
 Guarantees: input problems raise `InputError` before Spark starts; a session this function
 created is stopped when it returns or fails, a session it was given (or found active) is left
 running; the Parquet tables are overwritten as a whole; only small aggregates reach the driver
-(per-stage percentiles, per-second counts, per-kind counts and at most VIOLATION_CAP violations
-per kind, one row per fault); the returned Summary and summary.json hold the same numbers.
+(per-stage percentiles, per-second counts, 100 ms counts around each fault, per-kind counts and at
+most VIOLATION_CAP violations per kind, one row per fault); the returned Summary and summary.json
+hold the same numbers.
 """
 
 from __future__ import annotations
@@ -20,19 +22,21 @@ import sys
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
-from pyspark.sql import DataFrame, SparkSession, Window
+from pyspark.sql import DataFrame, Row, SparkSession, Window
 from pyspark.sql import functions as F
 
 from pipeline import report
 from pipeline.failover import fault_windows, longest_gaps
 from pipeline.guarantees import KINDS, VIOLATION_COLUMNS, violations
 from pipeline.inputs import Input, InputStats, discover_history, discover_spans, read_history, read_spans
-from pipeline.summary import StageLatency, Summary, Violation
+from pipeline.summary import FaultBuckets, StageLatency, Summary, Violation
 from pipeline.tables import (
+    BUCKET_MS,
     POSITIVE_OUTCOMES,
     STAGE_COLUMNS,
     STAGES,
     SpanLifecycle,
+    failover_buckets,
     history_messages,
     history_stages,
     messages_table,
@@ -115,7 +119,7 @@ def _run(spark: SparkSession, history_files: list[Path], span_files: list[Path],
     spans: Input | None = read_spans(spark, span_files) if span_files else None
     lifecycle = SpanLifecycle.of(spans.rows) if spans is not None else None
     events = history.rows
-    tables = {name: str(out / name) for name in ("messages", "stages", "throughput", "violations")}
+    tables = {name: str(out / name) for name in ("messages", "stages", "throughput", "failover_buckets", "violations")}
     messages: DataFrame | None = None
     try:
         messages = messages_table(history_messages(events), lifecycle).persist()
@@ -126,11 +130,13 @@ def _run(spark: SparkSession, history_files: list[Path], span_files: list[Path],
         _write(stages.select(*STAGE_COLUMNS), Path(tables["stages"]))
         stats = history.stats
         _write(throughput(spark, events, stats.min_ts, stats.max_ts), Path(tables["throughput"]))
+        _write(failover_buckets(spark, events), Path(tables["failover_buckets"]))
         _write(violations(messages, events).select(*VIOLATION_COLUMNS), Path(tables["violations"]))
 
         counts = _message_counts(messages)
         stage_stats = _stage_latencies(spark.read.parquet(tables["stages"]))
         seconds = _seconds(spark.read.parquet(tables["throughput"]))
+        around_faults = _fault_buckets(spark.read.parquet(tables["failover_buckets"]))
         by_kind, shown = _violations(spark.read.parquet(tables["violations"]))
         failover = fault_windows(events)
         confirm_gap, delivery_gap = longest_gaps(events)
@@ -181,6 +187,7 @@ def _run(spark: SparkSession, history_files: list[Path], span_files: list[Path],
         throughput_chart=str(out / "throughput.png"),
         summary_json=str(out / "summary.json"),
         tables=tables,
+        failover_buckets=around_faults,
     )
     report.write(summary, seconds)
     Path(summary.summary_json).write_text(json.dumps(summary.to_dict(), indent=2) + "\n", encoding="utf-8")
@@ -246,6 +253,25 @@ def _seconds(table: DataFrame) -> list[report.Second]:
         )
         for r in table.orderBy("second").collect()
     ]
+
+
+def _fault_buckets(table: DataFrame) -> tuple[FaultBuckets, ...]:
+    """The failover_buckets table as one FaultBuckets per fault, in fault order."""
+    per_fault: dict[int, list[Row]] = {}
+    for r in table.orderBy("fault", "bucket").collect():
+        per_fault.setdefault(int(r["fault"]), []).append(r)
+    return tuple(
+        FaultBuckets(
+            fault_ts=float(rs[0]["fault_ts"]),
+            bucket_ms=BUCKET_MS,
+            first_offset_ms=int(rs[0]["offset_ms"]),
+            publishes=tuple(int(r["publishes"]) for r in rs),
+            confirms=tuple(int(r["confirms"]) for r in rs),
+            deliveries=tuple(int(r["deliveries"]) for r in rs),
+            acks=tuple(int(r["acks"]) for r in rs),
+        )
+        for _, rs in sorted(per_fault.items())
+    )
 
 
 def _violations(table: DataFrame) -> tuple[dict[str, int], tuple[Violation, ...]]:

@@ -1,7 +1,10 @@
 """The report files: report.md, latency.png and throughput.png.
 
 Responsible for: rendering a Summary (and the per-second throughput collected from the small
-`throughput` table) as Markdown and two PNG charts.
+`throughput` table) as Markdown and two PNG charts. throughput.png has the whole run per second and,
+under it, one panel per fault (up to ZOOMED_FAULTS) in the Summary's 100 ms buckets from 2 s before the
+fault to 3 s after it, the failover window (fault → first positive confirm) shaded and its length in ms
+written on it (`failover_zoom` is what such a panel draws).
 
 Guarantees: works from plain Python values only (no Spark); always writes all three files, even
 when there is nothing to plot (the chart then says so); the Markdown starts with the summary table
@@ -16,12 +19,24 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from matplotlib.axes import Axes
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from pipeline.summary import Summary, Violation, failover_cell, gap_text, iso_time
+from pipeline.summary import (
+    FailoverWindow,
+    FaultBuckets,
+    Summary,
+    Violation,
+    bucket_columns,
+    failover_cell,
+    gap_text,
+    iso_time,
+    stall_lines,
+)
 
 THROUGHPUT_ROWS_SHOWN = 120
+ZOOMED_FAULTS = 3  # faults with a 100 ms panel of their own in throughput.png
 
 
 @dataclass(frozen=True)
@@ -34,6 +49,55 @@ class Second:
     deliveries: int
     acks: int
     faults: int
+
+
+@dataclass(frozen=True)
+class FailoverZoom:
+    """What a zoomed panel draws around one fault: counts per bucket, and the failover window.
+
+    Times are ms from the fault. The window is shaded from the fault (0) to the first positive confirm after it;
+    when none came it runs to the end of the panel and `gap_ms` is None. `note` is the text on the chart."""
+
+    title: str
+    bucket_ms: int
+    edges_ms: tuple[int, ...]  # bucket edges: one more than there are buckets
+    publishes: tuple[int, ...]
+    confirms: tuple[int, ...]
+    deliveries: tuple[int, ...]
+    window_ms: tuple[float, float]
+    gap_ms: float | None  # fault → first confirm
+    delivery_ms: float | None  # fault → first delivery
+    empty_confirm_buckets: int  # consecutive buckets without a confirm, from the fault's own
+    note: str
+
+
+def _what(window: FailoverWindow) -> str:
+    return " ".join(part for part in (window.what, window.node) if part) or "fault"
+
+
+def failover_zoom(window: FailoverWindow, buckets: FaultBuckets) -> FailoverZoom:
+    """The data of one fault's zoomed panel, from its failover window and its buckets."""
+    offsets = buckets.offsets_ms()
+    edges = (*offsets, offsets[-1] + buckets.bucket_ms) if offsets else (0,)
+    gap = None if window.confirm_after_s is None else round(window.confirm_after_s * 1000, 3)
+    delivery = None if window.delivery_after_s is None else round(window.delivery_after_s * 1000, 3)
+    empty = buckets.empty_from_fault(buckets.confirms)
+    what = _what(window)
+    note = f"no confirm after {what}" if gap is None else f"failover {gap:,.0f} ms\n{what} → first confirm"
+    note += f"\n{empty} empty {buckets.bucket_ms} ms bucket{'' if empty == 1 else 's'} of confirms"
+    return FailoverZoom(
+        title=f"around {what} ({buckets.bucket_ms} ms buckets)",
+        bucket_ms=buckets.bucket_ms,
+        edges_ms=edges,
+        publishes=buckets.publishes,
+        confirms=buckets.confirms,
+        deliveries=buckets.deliveries,
+        window_ms=(0.0, float(edges[-1]) if gap is None else gap),
+        gap_ms=gap,
+        delivery_ms=delivery,
+        empty_confirm_buckets=empty,
+        note=note,
+    )
 
 
 def _table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> list[str]:
@@ -77,6 +141,28 @@ def _violation_section(title: str, kind: str, total: int, violations: Sequence[V
     if len(shown) < total:
         lines += ["", f"Showing {len(shown)} of {total}; all of them are in `violations/`."]
     return [*lines, ""]
+
+
+def _buckets_section(window: FailoverWindow, buckets: FaultBuckets) -> list[str]:
+    shown = bucket_columns(buckets)
+    offsets = buckets.offsets_ms()
+    lines = [f"### Around {_what(window)} ({buckets.bucket_ms} ms buckets)", ""]
+    lines += [f"- {line}." for line in stall_lines(window, buckets)]
+    lines.append("")
+    lines += _table(
+        ["ms from the fault", "publishes", "confirms", "deliveries", "acks"],
+        [
+            (
+                f"{offsets[i]:+d}",
+                buckets.publishes[i],
+                buckets.confirms[i],
+                buckets.deliveries[i],
+                buckets.acks[i],
+            )
+            for i in shown
+        ],
+    )
+    return [*lines, "", "Every bucket of the window is in `failover_buckets/`.", ""]
 
 
 def markdown(summary: Summary, seconds: Sequence[Second]) -> str:
@@ -138,6 +224,8 @@ def markdown(summary: Summary, seconds: Sequence[Second]) -> str:
         lines.append("")
     else:
         lines += ["No events.", ""]
+    for window, buckets in zip(summary.failover, summary.failover_buckets, strict=False):
+        lines += _buckets_section(window, buckets)
     lines += [f"![throughput]({Path(summary.throughput_chart).name})", "", "## Violations", ""]
     lines += _violation_section("Lost", "lost", summary.lost, summary.violations)
     lines += _violation_section("Duplicates", "duplicate", summary.duplicates, summary.violations)
@@ -181,29 +269,85 @@ def latency_chart(summary: Summary, path: Path) -> None:
     _save(figure, path)
 
 
+def _per_second_panel(axes: Axes, summary: Summary, seconds: Sequence[Second]) -> None:
+    """The whole run, per second, each fault marked and its failover window shaded."""
+    first = seconds[0].second
+    edges = [s.second - first for s in seconds] + [seconds[-1].second - first + 1]
+    axes.stairs([s.publishes for s in seconds], edges, label="publishes/s", color="C0", baseline=None)
+    axes.stairs([s.confirms for s in seconds], edges, label="confirms/s", color="C1", baseline=None)
+    axes.stairs([s.deliveries for s in seconds], edges, label="deliveries/s", color="C2", baseline=None)
+    for i, window in enumerate(summary.failover):
+        axes.axvline(
+            window.fault_ts - first, color="red", linestyle="--", label=f"fault: {_what(window)}" if i < 3 else None
+        )
+        if window.first_confirm_ts is not None:
+            axes.axvspan(window.fault_ts - first, window.first_confirm_ts - first, color="red", alpha=0.15)
+    axes.set_xlabel(f"seconds since {iso_time(float(first))}")
+    axes.set_ylabel("events per second")
+    axes.set_ylim(bottom=0)
+    axes.legend(loc="upper right")
+    axes.set_title("ringq throughput (1 s buckets)")
+
+
+def _zoom_panel(axes: Axes, zoom: FailoverZoom) -> None:
+    """One fault up close: counts per bucket, the fault, the failover window shaded, its length written."""
+    edges = list(zoom.edges_ms)
+    axes.set_title(f"ringq throughput {zoom.title}")
+    if not zoom.confirms:
+        axes.text(0.5, 0.5, "no buckets", ha="center", va="center")
+        axes.set_axis_off()
+        return
+    axes.stairs(zoom.publishes, edges, label="publishes", color="C0", baseline=None)
+    axes.stairs(zoom.confirms, edges, label="confirms", color="C1", linewidth=2, baseline=None)
+    axes.stairs(zoom.deliveries, edges, label="deliveries", color="C2", baseline=None)
+    left, right = edges[0], edges[-1]
+    start, end = zoom.window_ms[0], min(zoom.window_ms[1], right)
+    axes.axvspan(start, end, color="red", alpha=0.15, label="failover window (fault → first confirm)")
+    axes.axvline(0, color="red", linestyle="--", label="fault")
+    if zoom.delivery_ms is not None and zoom.delivery_ms <= right:
+        axes.axvline(
+            zoom.delivery_ms, color="C2", linestyle=":", label=f"first delivery after it (+{zoom.delivery_ms:,.0f} ms)"
+        )
+    pad = zoom.bucket_ms / 2
+    inside = end + pad > right - 0.35 * (right - left)  # no room to the right of the window: write inside it
+    axes.text(
+        end - pad if inside else end + pad,
+        0.95,
+        zoom.note,
+        transform=axes.get_xaxis_transform(),
+        ha="right" if inside else "left",
+        va="top",
+        bbox={"boxstyle": "round", "facecolor": "white", "edgecolor": "red"},
+    )
+    axes.set_xlim(left, right)
+    axes.set_xticks(range(left, right + 1, 5 * zoom.bucket_ms))
+    axes.set_xticks(edges, minor=True)
+    axes.grid(axis="x", which="both", alpha=0.25)
+    top = max([*zoom.publishes, *zoom.confirms, *zoom.deliveries, 1])
+    axes.set_ylim(0, top * 1.7)  # room above the lines for the legend and the note
+    axes.set_xlabel(f"ms from the fault ({zoom.bucket_ms} ms buckets, aligned on it)")
+    axes.set_ylabel(f"events per {zoom.bucket_ms} ms")
+    axes.legend(loc="upper left", fontsize="small")
+
+
 def throughput_chart(summary: Summary, seconds: Sequence[Second], path: Path) -> None:
-    """Per-second publishes, confirms and deliveries, with each fault marked."""
-    figure = Figure(figsize=(10, 4.5))
-    axes = figure.subplots()
+    """Per-second publishes, confirms and deliveries, each fault marked, then one 100 ms panel per fault (up
+    to ZOOMED_FAULTS) with the failover window shaded and its length written on it."""
+    zooms = [
+        failover_zoom(window, buckets)
+        for window, buckets in zip(summary.failover, summary.failover_buckets, strict=False)
+    ][:ZOOMED_FAULTS]
+    rows = 1 + len(zooms)
+    figure = Figure(figsize=(10, 4.5 * rows))
+    axes = figure.add_subplot(rows, 1, 1)
     if not seconds:
         axes.text(0.5, 0.5, "no events", ha="center", va="center")
         axes.set_axis_off()
+        axes.set_title("ringq throughput")
     else:
-        first = seconds[0].second
-        xs = [s.second - first for s in seconds]
-        axes.plot(xs, [s.publishes for s in seconds], label="publishes/s", drawstyle="steps-post")
-        axes.plot(xs, [s.confirms for s in seconds], label="confirms/s", drawstyle="steps-post")
-        axes.plot(xs, [s.deliveries for s in seconds], label="deliveries/s", drawstyle="steps-post")
-        for i, window in enumerate(summary.failover):
-            label = " ".join(p for p in (window.what, window.node) if p) or "fault"
-            axes.axvline(
-                window.fault_ts - first, color="red", linestyle="--", label=f"fault: {label}" if i < 3 else None
-            )
-        axes.set_xlabel(f"seconds since {iso_time(float(first))}")
-        axes.set_ylabel("events per second")
-        axes.set_ylim(bottom=0)
-        axes.legend(loc="upper right")
-    axes.set_title("ringq throughput")
+        _per_second_panel(axes, summary, seconds)
+    for i, zoom in enumerate(zooms):
+        _zoom_panel(figure.add_subplot(rows, 1, i + 2), zoom)
     _save(figure, path)
 
 

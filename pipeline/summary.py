@@ -1,10 +1,11 @@
 """The job's result as plain Python values: what `run_lifecycle` returns and `summary.json` holds.
 
-Responsible for: the Summary dataclass and its parts (stage latencies, failover windows, gaps,
-violations), their JSON form and their short plain-text form (`Summary.text()`, what
-`python -m pipeline` prints). Guarantees: values only (no Spark objects), immutable;
-`to_dict()` is JSON-serialisable with the same field names as the attributes, plus
-`violation_count`; times in text are seconds since the first history event ("+1.500 s").
+Responsible for: the Summary dataclass and its parts (stage latencies, failover windows, the
+100 ms buckets around each fault, gaps, violations), their JSON form and their short plain-text
+form (`Summary.text()`, what `python -m pipeline` prints). Guarantees: values only (no Spark
+objects), immutable; `to_dict()` is JSON-serialisable with the same field names as the
+attributes, plus `violation_count`; times in text are seconds since the first history event
+("+1.500 s"), except around a fault, where they are milliseconds from it ("+300 ms").
 """
 
 from __future__ import annotations
@@ -49,6 +50,40 @@ class FailoverWindow:
     confirm_after_s: float | None
     first_delivery_ts: float | None
     delivery_after_s: float | None
+
+
+@dataclass(frozen=True)
+class FaultBuckets:
+    """Counts in fixed buckets around one fault (`Summary.failover_buckets[i]` is around `Summary.failover[i]`).
+
+    Bucket i covers [first_offset_ms + i * bucket_ms, first_offset_ms + (i + 1) * bucket_ms) milliseconds from
+    the fault's time: buckets are aligned on the fault, whose own bucket starts at 0. Every bucket of the
+    window is there, empty ones as zeros."""
+
+    fault_ts: float
+    bucket_ms: int
+    first_offset_ms: int
+    publishes: tuple[int, ...]
+    confirms: tuple[int, ...]  # positive confirms, as everywhere else
+    deliveries: tuple[int, ...]
+    acks: tuple[int, ...]
+
+    def offsets_ms(self) -> list[int]:
+        """The start of each bucket, in ms from the fault."""
+        return [self.first_offset_ms + i * self.bucket_ms for i in range(len(self.confirms))]
+
+    def fault_bucket(self) -> int:
+        """The index of the bucket starting at the fault (len() when the window ends before it)."""
+        return min(max(-self.first_offset_ms // self.bucket_ms, 0), len(self.confirms))
+
+    def empty_from_fault(self, counts: tuple[int, ...]) -> int:
+        """How many consecutive buckets of `counts`, from the fault's own, are empty."""
+        quiet = 0
+        for count in counts[self.fault_bucket() :]:
+            if count:
+                break
+            quiet += 1
+        return quiet
 
 
 @dataclass(frozen=True)
@@ -100,6 +135,7 @@ class Summary:
     throughput_chart: str
     summary_json: str
     tables: dict[str, str] = field(default_factory=dict)  # name -> Parquet directory
+    failover_buckets: tuple[FaultBuckets, ...] = ()  # one per fault, as `failover`: 100 ms buckets around it
 
     @property
     def violation_count(self) -> int:
@@ -127,8 +163,10 @@ class Summary:
                 f"              {s.label:<{width}} {s.count:>7} {s.p50_ms:>10.3f} {s.p99_ms:>10.3f} {s.max_ms:>10.3f}"
                 for s in self.stages
             ]
+        lines.append(f"failover: {failover_cell(self)}")
+        for window, buckets in zip(self.failover, self.failover_buckets, strict=False):
+            lines += buckets_text(window, buckets)
         lines += [
-            f"failover: {failover_cell(self)}",
             f"longest gap: confirms {gap_text(self.longest_confirm_gap, self)}, "
             f"deliveries {gap_text(self.longest_delivery_gap, self)}",
             f"report: {self.report}",
@@ -171,3 +209,61 @@ def gap_text(gap: Gap | None, summary: Summary) -> str:
     if gap is None:
         return "n/a (fewer than two)"
     return f"{gap.seconds:.3f} s ({relative_time(gap.start_ts, summary)} → {relative_time(gap.end_ts, summary)})"
+
+
+# The columns `buckets_text` shows: from this many buckets before the fault to this many after the last
+# empty one (confirms or deliveries), at most BUCKET_COLUMNS in all.
+BUCKETS_BEFORE, BUCKETS_AFTER, BUCKET_COLUMNS = 3, 3, 16
+
+
+def bucket_columns(buckets: FaultBuckets) -> range:
+    """The indexes of the buckets worth showing in text: a few before the fault, the empty ones after it and
+    a few more."""
+    start = buckets.fault_bucket()
+    quiet = max(buckets.empty_from_fault(buckets.confirms), buckets.empty_from_fault(buckets.deliveries))
+    first = max(start - BUCKETS_BEFORE, 0)
+    last = min(start + quiet + BUCKETS_AFTER, first + BUCKET_COLUMNS, len(buckets.confirms))
+    return range(first, last)
+
+
+def stall_lines(window: FailoverWindow, buckets: FaultBuckets) -> list[str]:
+    """One sentence per kind (confirms, deliveries): the empty buckets from the fault's own, and when the first
+    one after the fault came (ms), e.g. "confirms: none in the 4 buckets from the fault (+0 → +400 ms); the
+    first 400 ms after it"."""
+    size = buckets.bucket_ms
+    lines = []
+    for kind, counts, after in (
+        ("confirms", buckets.confirms, window.confirm_after_s),
+        ("deliveries", buckets.deliveries, window.delivery_after_s),
+    ):
+        quiet = buckets.empty_from_fault(counts)
+        plural = "" if quiet == 1 else "s"
+        empty = (
+            f"none in the {quiet} bucket{plural} from the fault (+0 → +{quiet * size} ms)"
+            if quiet
+            else f"some in the fault's own bucket (+0 → +{size} ms)"
+        )
+        first = "none after it" if after is None else f"the first {after * 1000:,.0f} ms after it"
+        lines.append(f"{kind}: {empty}; {first}")
+    return lines
+
+
+def buckets_text(window: FailoverWindow, buckets: FaultBuckets) -> list[str]:
+    """The failover at bucket resolution: a small table of confirms and deliveries per bucket around the fault
+    (bucket starts in ms from it), the empty buckets, and the measured window in ms."""
+    what = " ".join(part for part in (window.what, window.node) if part) or "fault"
+    shown = bucket_columns(buckets)
+    offsets = buckets.offsets_ms()
+    head = [f"{offsets[i]:+d}" if offsets[i] else "0" for i in shown]
+    width = max([6, *(len(h) + 1 for h in head), *(len(str(c)) + 1 for c in buckets.confirms + buckets.deliveries)])
+
+    def row(label: str, cells: list[str]) -> str:
+        return f"  {label:<12}" + "".join(f"{cell:>{width}}" for cell in cells)
+
+    return [
+        f"failover in {buckets.bucket_ms} ms buckets ({what}; bucket start, ms from the fault):",
+        row("", head),
+        row("confirms", [str(buckets.confirms[i]) for i in shown]),
+        row("deliveries", [str(buckets.deliveries[i]) for i in shown]),
+        *(f"  {line}" for line in stall_lines(window, buckets)),
+    ]

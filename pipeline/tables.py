@@ -8,7 +8,9 @@ Responsible for: turning history events and spans (pipeline.inputs) into
 - `stages`: one row per measured stage of one message (publish→confirm, publish→first delivery,
   delivery→ack from histories; publish→enqueue, enqueue→mirror apply, enqueue→confirm and each
   ring hop from spans) with its latency in milliseconds;
-- `throughput`: per-second counts of publishes, positive confirms, deliveries, acks and faults.
+- `throughput`: per-second counts of publishes, positive confirms, deliveries, acks and faults;
+- `failover_buckets`: the same counts in 100 ms buckets from 2 s before each fault to 3 s after it,
+  aligned on the fault (the failover window, a few hundred ms, vanishes into a 1 s bucket).
 
 Guarantees:
 - every history event that names a publisher and a seq, and every span that can be tied to one
@@ -408,3 +410,55 @@ def throughput(spark: SparkSession, history: DataFrame, first_ts: float | None, 
         seconds = spark.range(int(first_ts // 1), int(last_ts // 1) + 1).select(F.col("id").alias("second"))
         counts = seconds.join(counts, "second", "left").fillna(0)
     return counts.orderBy("second")
+
+
+# The zoomed view around each fault: buckets of BUCKET_MS from BEFORE_FAULT_MS before it to AFTER_FAULT_MS after.
+BUCKET_MS = 100
+BEFORE_FAULT_MS = 2000
+AFTER_FAULT_MS = 3000
+
+
+def failover_buckets(spark: SparkSession, history: DataFrame) -> DataFrame:
+    """Per fault: fault (0, 1, ... in event order, as `failover.fault_windows` lists them), fault_ts, bucket
+    (index from the fault's own, negative before it), offset_ms (the bucket's start, ms from the fault) and the
+    counts of publishes, confirms (positive), deliveries and acks in it. Buckets are aligned on the fault (bucket
+    0 is [fault, fault + BUCKET_MS)), measured on the microsecond offset so a time exactly on a boundary falls in
+    the later bucket; every bucket of every fault's window is there (zeros when empty)."""
+    event = F.col("event")
+    faults = history.where(event == "fault").select(
+        (F.row_number().over(Window.orderBy(*EVENT_ORDER)) - 1).alias("fault"), F.col("ts").alias("fault_ts")
+    )
+    first, last = -BEFORE_FAULT_MS // BUCKET_MS, AFTER_FAULT_MS // BUCKET_MS  # bucket indexes [first, last)
+    near = (F.col("ts") >= F.col("fault_ts") - (BEFORE_FAULT_MS + 1) / 1000) & (
+        F.col("ts") < F.col("fault_ts") + (AFTER_FAULT_MS + 1) / 1000
+    )
+    micros = F.round((F.col("ts") - F.col("fault_ts")) * 1e6).cast("bigint")
+    counts = (
+        history.where(event.isin("publish", "confirm", "deliver", "ack"))
+        .join(F.broadcast(faults), near)
+        .withColumn("bucket", F.floor(micros / (BUCKET_MS * 1000)))
+        .where(F.col("bucket").between(first, last - 1))
+        .groupBy("fault", "bucket")
+        .agg(
+            F.count(F.when(event == "publish", 1)).alias("publishes"),
+            F.count(F.when(positive_confirm(), 1)).alias("confirms"),
+            F.count(F.when(event == "deliver", 1)).alias("deliveries"),
+            F.count(F.when(event == "ack", 1)).alias("acks"),
+        )
+    )
+    grid = faults.crossJoin(spark.range(first, last).select(F.col("id").alias("bucket")))
+    return (
+        grid.join(counts, ["fault", "bucket"], "left")
+        .fillna(0, ["publishes", "confirms", "deliveries", "acks"])
+        .select(
+            "fault",
+            "fault_ts",
+            "bucket",
+            (F.col("bucket") * BUCKET_MS).alias("offset_ms"),
+            "publishes",
+            "confirms",
+            "deliveries",
+            "acks",
+        )
+        .orderBy("fault", "bucket")
+    )

@@ -26,10 +26,11 @@ from typing import Any
 import pytest
 from pyspark.sql import SparkSession
 
-from pipeline import InputError, Summary, run_lifecycle, spark_session
+from pipeline import FailoverWindow, FaultBuckets, InputError, Summary, run_lifecycle, spark_session
 from pipeline.__main__ import exit_status, main
 from pipeline.guarantees import duplicates
 from pipeline.inputs import discover_history, read_history
+from pipeline.report import failover_zoom
 from pipeline.tables import history_messages, messages_table
 
 DATA = Path(__file__).parent / "data" / "pipeline"
@@ -167,6 +168,14 @@ def test_failover_window_and_longest_gaps(lifecycle: Summary) -> None:
     assert deliveries is not None
     assert (confirms.start_ts, confirms.end_ts, confirms.seconds) == pytest.approx((T0 + 2.235, T0 + 6.5, 4.265))
     assert (deliveries.start_ts, deliveries.end_ts, deliveries.seconds) == pytest.approx((T0 + 2.9, T0 + 7.0, 4.1))
+    [around] = lifecycle.failover_buckets  # 100 ms buckets from -2 s to +3 s, bucket 0 starting at the fault
+    assert around.fault_ts == pytest.approx(T0 + 5.0)
+    assert (around.bucket_ms, around.first_offset_ms) == (100, -2000)
+    assert len(around.confirms) == 50
+    assert {i: n for i, n in enumerate(around.publishes) if n} == {10: 1, 19: 1, 30: 1}  # +4.0, +4.9, +6.0
+    assert {i: n for i, n in enumerate(around.confirms) if n} == {35: 1}  # +6.5 (the nack at +5.5 is not one)
+    assert {i: n for i, n in enumerate(around.deliveries) if n} == {40: 1}  # +7.0
+    assert around.empty_from_fault(around.confirms) == 15
 
 
 def test_throughput_per_second(spark: SparkSession, lifecycle: Summary) -> None:
@@ -335,3 +344,96 @@ def test_history_discovery(tmp_path: Path) -> None:
     assert discover_history([tmp_path / "run.jsonl"]) == [tmp_path / "run.jsonl"]
     with pytest.raises(InputError, match="no history input given"):
         discover_history([])
+
+
+# ---- the failover at 100 ms resolution -------------------------------------------------------------
+
+
+def hole_events(fault_ts: float) -> list[dict[str, Any]]:
+    """A publish every 20 ms (at +1 ms), a confirm every 20 ms (at +0 ms) with none in the 400 ms from the
+    fault, a delivery every 20 ms (at +5 ms) with none in the 450 ms from the fault: from 2.5 s before the
+    fault to 3.5 s after it."""
+    events: list[dict[str, Any]] = []
+    for k in range(-125, 175):
+        at = k * 0.02
+        events.append({"ts": fault_ts + at + 0.001, "event": "publish", "client": "p", "publisher": "p", "seq": k})
+        if not 0 <= k * 20 < 400:
+            events.append({"ts": fault_ts + at, "event": "confirm", "client": "p", "publisher": "p", "seq": k})
+        if not 0 <= k * 20 + 5 < 450:
+            events.append({"ts": fault_ts + at + 0.005, "event": "deliver", "client": "c", "publisher": "p", "seq": k})
+    return sorted(events, key=lambda e: e["ts"])
+
+
+def test_a_400_ms_hole_shows_in_the_100_ms_buckets_and_on_the_chart(spark: SparkSession, tmp_path: Path) -> None:
+    fault_ts = T0 + 10.05  # off the second and off the 100 ms grid: the buckets are aligned on the fault
+    fault = {"ts": fault_ts, "event": "fault", "client": "demo", "what": "SIGKILL", "node": "node1"}
+    lines = [json.dumps(e) for e in [*hole_events(fault_ts), fault]]
+    (tmp_path / "history-all.jsonl").write_text("\n".join(lines) + "\n")
+    s = run_lifecycle([tmp_path], [], tmp_path / "out", spark=spark)
+
+    [window] = s.failover
+    assert (window.confirm_after_s, window.delivery_after_s) == pytest.approx((0.4, 0.465))
+    [b] = s.failover_buckets
+    assert b.fault_ts == pytest.approx(fault_ts)
+    assert (b.bucket_ms, b.first_offset_ms) == (100, -2000)
+    assert b.offsets_ms() == list(range(-2000, 3000, 100))
+    assert b.publishes == (5,) * 50
+    assert b.confirms == (5,) * 20 + (0,) * 4 + (5,) * 26  # the hole: buckets 0, +100, +200, +300 ms
+    assert b.deliveries == (5,) * 20 + (0,) * 4 + (2,) + (5,) * 25  # +465 and +485 in the +400 ms bucket
+    assert b.acks == (0,) * 50
+    table = rows(spark, s.tables["failover_buckets"])
+    assert len(table) == 50
+    assert {r["offset_ms"]: r["confirms"] for r in table if r["confirms"] == 0} == {0: 0, 100: 0, 200: 0, 300: 0}
+    per_second = {r["second"]: r["confirms"] for r in rows(spark, s.tables["throughput"])}
+    assert per_second[int(T0) + 10] == 30, "the 1 s bucket holding the fault is not empty: it hides the hole"
+
+    zoom = failover_zoom(window, b)
+    assert zoom.edges_ms == tuple(range(-2000, 3001, 100))
+    assert zoom.confirms == b.confirms
+    assert zoom.window_ms == pytest.approx((0.0, 400.0))  # shaded from the kill to the first confirm
+    assert zoom.gap_ms == pytest.approx(400.0)
+    assert zoom.delivery_ms == pytest.approx(465.0)
+    assert zoom.empty_confirm_buckets == 4
+    assert zoom.note.splitlines() == [
+        "failover 400 ms",
+        "SIGKILL node1 → first confirm",
+        "4 empty 100 ms buckets of confirms",
+    ]
+
+    text = s.text()
+    assert "failover in 100 ms buckets (SIGKILL node1; bucket start, ms from the fault):" in text
+    assert "  confirms: none in the 4 buckets from the fault (+0 → +400 ms); the first 400 ms after it" in text
+    assert "  deliveries: none in the 4 buckets from the fault (+0 → +400 ms); the first 465 ms after it" in text
+    shown = text.splitlines()
+    confirms = next(line for line in shown if line.strip().startswith("confirms"))
+    assert confirms.split()[1:] == ["5", "5", "5", "0", "0", "0", "0", "5", "5", "5"]  # -300 .. +600 ms
+    report = Path(s.report).read_text()
+    assert "### Around SIGKILL node1 (100 ms buckets)" in report
+    assert "- confirms: none in the 4 buckets from the fault (+0 → +400 ms); the first 400 ms after it." in report
+    assert "| +200 | 5 | 0 | 0 | 0 |" in report
+    chart = Path(s.throughput_chart).read_bytes()
+    assert chart[:8] == b"\x89PNG\r\n\x1a\n"
+    assert int.from_bytes(chart[20:24], "big") == 900, "two panels: the run per second and the fault up close"
+    saved = json.loads(Path(s.summary_json).read_text())
+    assert saved["failover_buckets"][0]["confirms"] == list(b.confirms)
+
+
+def test_failover_zoom_without_a_confirm_after_the_fault() -> None:
+    window = FailoverWindow(
+        fault_ts=T0,
+        what=None,
+        node="node2",
+        client="demo",
+        first_confirm_ts=None,
+        confirm_after_s=None,
+        first_delivery_ts=None,
+        delivery_after_s=None,
+    )
+    buckets = FaultBuckets(T0, 100, -200, (1, 1, 0, 0, 0), (1, 1, 0, 0, 0), (1, 0, 0, 0, 0), (0,) * 5)
+    zoom = failover_zoom(window, buckets)
+    assert zoom.edges_ms == (-200, -100, 0, 100, 200, 300)
+    assert (zoom.window_ms, zoom.gap_ms, zoom.delivery_ms) == ((0.0, 300.0), None, None)  # to the panel's end
+    assert zoom.empty_confirm_buckets == 3
+    assert zoom.note.splitlines() == ["no confirm after node2", "3 empty 100 ms buckets of confirms"]
+    assert buckets.fault_bucket() == 2
+    assert buckets.empty_from_fault(buckets.deliveries) == 3
