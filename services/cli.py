@@ -151,6 +151,21 @@ def _cluster_status(args: argparse.Namespace) -> int:
     return 0
 
 
+def parse_command(argv: Sequence[str]) -> argparse.Namespace:
+    """`ringq ARGV` parsed as running it would parse it (node and coordinator by their own parsers, their
+    settings in `command`'s namespace; no --config file or RINGQ_* variables are read): for tools that
+    check command lines, such as the tests of docker/."""
+    if argv and argv[0] in ("node", "coordinator"):
+        if argv[0] == "node":
+            from services.node import parser as process_parser
+        else:
+            from services.coordinator.__main__ import build_parser as process_parser
+        parsed = process_parser(f"ringq {argv[0]}").parse_args(list(argv[1:]))
+        parsed.command = argv[0]
+        return parsed
+    return build_parser().parse_args(list(argv))
+
+
 def _check_node_args(node_args: Sequence[str]) -> None:
     """_UsageError unless every node would accept `node_args` (checked before anything starts)."""
     from services.node import parser as node_parser

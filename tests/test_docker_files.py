@@ -626,13 +626,12 @@ def _services(compose: dict[str, Any]) -> dict[str, dict[str, Any]]:
 
 def _ringq_commands(compose: dict[str, Any]) -> dict[str, Any]:
     """The parsed `ringq` command line of each service that runs the broker image's entrypoint."""
-    parser = cli.build_parser()
     parsed = {}
     for name, service in _services(compose).items():
         if service.get("image") == RINGQ_IMAGE and "entrypoint" not in service:
             command = _strings(service["command"], f"{name}.command")
             try:
-                parsed[name] = parser.parse_args(command)
+                parsed[name] = cli.parse_command(command)
             except SystemExit:
                 pytest.fail(f"{name}: `ringq {shlex.join(command)}` is refused by the ringq parser")
     return parsed

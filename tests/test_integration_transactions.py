@@ -213,8 +213,8 @@ def test_a_master_killed_right_after_deciding_a_transaction_leaves_it_whole_or_a
                 assert time.monotonic() < deadline, "no mirror took over"
                 await asyncio.sleep(0.1)
             bodies = set()
-            while (delivery := await client.get(queue, no_ack=True)) is not None:
-                bodies.add(delivery.body.decode())
+            while (taken := await client.get(queue, no_ack=True)) is not None:
+                bodies.add(taken.body.decode())
             assert {"out-0", "out-1", "in-3", "in-4"} <= bodies and not {"in-0", "in-1"} & bodies, bodies
             applied = {"out-2"} <= bodies and "in-2" not in bodies
             absent = "in-2" in bodies and "out-2" not in bodies

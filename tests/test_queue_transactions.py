@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from ringq.internal.v1 import queue_replication_pb2
 from services.queue import wire
 from services.queue.master import Publish, PublishOutcome, QueueError, QueueLimits, QueueMaster, Settlement
 from services.queue.ops import Deliver, Depth, Enqueue, Message, Settle, Transaction
@@ -68,7 +69,7 @@ def test_a_transaction_survives_encoding_and_holds_plain_changes_only() -> None:
     message = Message(7, b"body", "tx", 1, True)
     report = Transaction((Settle((1, 2)), Enqueue(message), Deliver((7,))))
     assert wire.decode(wire.encode(report)) == report
-    nested = wire.pb.QueueReport()
+    nested = queue_replication_pb2.QueueReport()
     nested.transaction.changes.add().ParseFromString(wire.encode(Depth(3)))
     with pytest.raises(ValueError, match="may not hold a Depth"):
         wire.decode(nested.SerializeToString())

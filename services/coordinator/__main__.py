@@ -1,6 +1,6 @@
 """Run the coordinator:
 
-    python -m services.coordinator [--listen HOST:PORT] [--ready-file PATH]
+    python -m services.coordinator [--listen HOST:PORT] [--ready-file PATH] [--health-listen HOST:PORT]
         [--store sqlite] [--db PATH]
         --store zookeeper --zookeeper HOST:PORT[,HOST:PORT...] [--zookeeper-root /ZNODE]
 
@@ -47,8 +47,8 @@ def _positive(text: str) -> int:
     return int(text)
 
 
-def main(argv: list[str] | None = None, *, prog: str = "python -m services.coordinator") -> None:
-    """Run the coordinator with `argv`; `prog` starts usage errors (the ringq command passes "ringq")."""
+def build_parser(prog: str = "ringq coordinator") -> argparse.ArgumentParser:
+    """The coordinator's flags (also from a --config file and RINGQ_* variables: services/config.py)."""
     parser = OneLineParser(
         prog=prog,
         description=__doc__,
@@ -66,6 +66,12 @@ def main(argv: list[str] | None = None, *, prog: str = "python -m services.coord
         help=f"zookeeper: the root znode (default {DEFAULT_ZOOKEEPER_ROOT})",
     )
     parser.add_argument("--ready-file", help="write the bound HOST:PORT here once listening")
+    parser.add_argument(
+        "--health-listen",
+        type=address_argument,
+        help="also serve the gRPC health service (grpc.health.v1.Health), and nothing else, in plaintext at "
+        "HOST:PORT, for probes that cannot do mutual TLS: SERVING while the coordinator serves and reaches its store",
+    )
     tls.add_arguments(parser)
     parser.add_argument(
         "--default-user",
@@ -79,6 +85,12 @@ def main(argv: list[str] | None = None, *, prog: str = "python -m services.coord
         default=DEFAULT_MAX_QUEUES_PER_VHOST,
         help=f"declaring more queues in a vhost gets RESOURCE_EXHAUSTED (default {DEFAULT_MAX_QUEUES_PER_VHOST})",
     )
+    return parser
+
+
+def main(argv: list[str] | None = None, *, prog: str = "python -m services.coordinator") -> None:
+    """Run the coordinator with `argv`; `prog` starts usage errors (the ringq command passes "ringq coordinator")."""
+    parser = build_parser(prog)
     args = config.parse(parser, argv)
     if args.store == "zookeeper":
         if args.zookeeper is None:
@@ -101,6 +113,7 @@ def main(argv: list[str] | None = None, *, prog: str = "python -m services.coord
                 tls=cluster_tls,
                 default_user=(args.default_user, os.environ.get("RINGQ_DEFAULT_PASSWORD", args.default_user)),
                 max_queues_per_vhost=args.max_queues_per_vhost,
+                health_listen=args.health_listen,
             )
         )
     except (StoreUnavailable, OSError) as exc:
