@@ -24,6 +24,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, cast
 
+from ringq._version import __version__
 from services import certs, cluster
 from services.arguments import OneLineParser, node_id_argument
 
@@ -207,6 +208,7 @@ def _cluster_down(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     """The `ringq` argument parser; each leaf command sets `handler`."""
     parser = _Parser(prog="ringq", description="ringq: a strictly ordered message broker.", allow_abbrev=False)
+    parser.add_argument("--version", action="version", version=f"ringq {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     def command(group: Any, name: str, help_text: str, handler: _Handler | None) -> argparse.ArgumentParser:

@@ -6,6 +6,7 @@ producers with confirms, consumers with acks, and queue administration;
 coordinator. `ringq.v1` holds the code generated from protos/.
 """
 
+from ringq._version import __version__ as __version__
 from ringq.aio import Delivery, Outcome
 from ringq.blocking import Admin, Connection, Consumer, Producer
 from ringq.security import TLS, Credentials

@@ -36,6 +36,7 @@ from typing import Any, Literal, NoReturn, TypeVar
 import grpc
 
 from ringq import ctl_access
+from ringq._version import __version__
 from ringq.ctl_output import as_json as _as_json
 from ringq.ctl_output import table as _table
 from ringq.security import TLS, Credentials, authenticated, channel
@@ -508,6 +509,7 @@ def _queue_argument(text: str) -> tuple[str, str]:
 
 def parser() -> argparse.ArgumentParser:
     out = _Parser(prog="ringqctl", description="Administer a ringq cluster.", allow_abbrev=False)
+    out.add_argument("--version", action="version", version=f"ringqctl {__version__}")
     out.add_argument(
         "--node",
         default=None,
