@@ -1,5 +1,6 @@
 # ringq: every step a fresh clone needs lives here.
 #   make test     set up the virtualenv, generate code, lint, type-check, run the tests
+#   make wheels   build the ringq (SDK, ringqctl) and ringq-server (broker, pipeline) wheels into dist/
 #   make demo     a 3-node cluster, a mirrored queue through a SIGKILL of its master, the Spark lifecycle report
 #   make demo-ring  the GM ring alone through a member kill: what each member delivered
 #   make sim      run the deterministic ring simulation over SEEDS seeds (default 20000)
@@ -23,14 +24,16 @@ BUF_VERSION := 1.75.0
 BUF := $(VENV)/buf/node_modules/.bin/buf
 PROTO_RELEASE := protos/releases/v0.2.binpb
 
-.PHONY: all setup setup-node setup-zookeeper setup-rabbitmq protos lint lint-k8s test sim sim-queues demo demo-ring bench bench-gm bench-tracing bench-security bench-reference clean
+.PHONY: all setup wheels setup-node setup-zookeeper setup-rabbitmq protos lint lint-k8s test sim sim-queues demo demo-ring bench bench-gm bench-tracing bench-security bench-reference clean
 
 all: test
 
-$(VENV)/.stamp-install: pyproject.toml
+# Both distributions of the repository, editable, with every extra: ringq (clients/python: the SDK and
+# ringqctl) and ringq-server (here: services/, pipeline/, the `ringq` command; dev tools as its extra).
+$(VENV)/.stamp-install: pyproject.toml setup.py clients/python/pyproject.toml clients/python/setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[dev]'
+	$(PY) -m pip install --quiet -e './clients/python[server,pipeline]' -e '.[pipeline,dev]'
 	touch $@
 
 setup: $(VENV)/.stamp-install protos
@@ -43,6 +46,13 @@ $(GEN)/.stamp-protos: $(PROTOS) $(VENV)/.stamp-install
 	touch $@
 
 protos: $(GEN)/.stamp-protos
+
+# The wheels of ringq and ringq-server in dist/, built from the source tree as it is; each build generates
+# its gRPC code from protos/ itself (grpcio-tools is a build requirement), whatever `make protos` left.
+wheels: $(VENV)/.stamp-install
+	rm -rf build clients/python/build dist/ringq-*.whl dist/ringq_server-*.whl
+	$(PY) -m pip wheel --quiet --no-deps --wheel-dir dist ./clients/python .
+	@ls -1 dist/ringq-*.whl dist/ringq_server-*.whl
 
 # The Node.js client (clients/node) for the interop test: its pinned packages from the npm registry.
 setup-node:
@@ -125,4 +135,5 @@ bench-gm: setup
 	$(PY) -m bench.bench_gm --write docs/benchmarks.md
 
 clean:
-	rm -rf $(VENV) $(GEN) .pytest_cache .mypy_cache .ruff_cache *.egg-info
+	rm -rf $(VENV) $(GEN) clients/python/ringq/internal .pytest_cache .mypy_cache .ruff_cache *.egg-info \
+	  clients/python/*.egg-info build clients/python/build dist
