@@ -1,15 +1,19 @@
-"""Print pinned requirements from pyproject.toml, one a line, for a stage of docker/Dockerfile.
+"""Print pinned requirements from a pyproject.toml, one a line, for a stage of docker/Dockerfile.
 
     python docker/requirements.py [--pyproject PATH] [--extra NAME] [--only NAME ...] [--without NAME ...]
 
-The images install ringq with `pip install --no-deps` and its dependencies from this list, so that the
-broker image can leave out what only the Spark pipeline needs (pyspark, pandas, pyarrow, matplotlib: about
-half a gigabyte, and Java at run time) while every pin stays the one pyproject.toml declares.
+The images install the wheels of ringq and ringq-server with `pip install --no-deps`, after their
+dependencies from these lists (a layer of its own, so a change to the code does not reinstall them), at
+the versions the pyproject.toml files pin: clients/python/pyproject.toml (ringq) and pyproject.toml
+(ringq-server; the Spark pipeline's dependencies are its extra `pipeline`, which only the pipeline image
+installs).
 
-`--extra NAME` reads [project.optional-dependencies] NAME instead of [project] dependencies. `--only`
-keeps the named requirements, `--without` drops them. A name that is not in the list is an error (exit 2):
-when pyproject.toml changes, the image build stops and says which name the Dockerfile must change, rather
-than quietly installing something else.
+Without `--extra`, the project's dependencies: [project] dependencies, or, where the project lists
+"dependencies" as dynamic (ringq-server: its setup.py adds ringq at the version of the build), the
+[tool.<project name>] dependencies that setup.py takes them from. `--extra NAME` reads
+[project.optional-dependencies] NAME instead. `--only` keeps the named requirements, `--without` drops
+them. A name that is not in the list is an error (exit 2): when a pyproject.toml changes, the image build
+stops and says which name the Dockerfile must change, rather than quietly installing something else.
 """
 
 from __future__ import annotations
@@ -41,9 +45,12 @@ def select(
     pyproject: Path, extra: str | None = None, only: Sequence[str] = (), without: Sequence[str] = ()
 ) -> list[str]:
     """The requirements of `pyproject` (or of its optional `extra`), kept by `only` and dropped by `without`."""
-    project = tomllib.loads(pyproject.read_text(encoding="utf-8"))["project"]
-    if extra is None:
-        requirements: list[str] = project.get("dependencies", [])
+    document = tomllib.loads(pyproject.read_text(encoding="utf-8"))
+    project = document["project"]
+    if extra is None and "dependencies" in project.get("dynamic", []):
+        requirements: list[str] = document["tool"][project["name"]]["dependencies"]
+    elif extra is None:
+        requirements = project.get("dependencies", [])
     else:
         extras: dict[str, list[str]] = project.get("optional-dependencies", {})
         if extra not in extras:

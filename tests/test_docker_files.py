@@ -15,8 +15,9 @@ What the checks hold the files to:
 - ports are published on 127.0.0.1 only, volumes are declared, every image is pinned;
 - the collector's pipelines use only the receivers and exporters it defines, and it uses all of them;
 - the broker image needs no stage of the pipeline image, runs as a non-root user, has ringq as its
-  entrypoint and a health check, and gets no dev dependency; every COPY source exists and is let
-  through by docker/Dockerfile.dockerignore; the code it installs imports only what it installs.
+  entrypoint and a health check, and gets no dev dependency and no pipeline extra; every COPY source
+  exists and is let through by docker/Dockerfile.dockerignore; the code it installs imports only what
+  it installs.
 """
 
 from __future__ import annotations
@@ -47,8 +48,9 @@ DOCKER = REPO / "docker"
 NODES = ("node1", "node2", "node3")
 SERVICES = {"certs", "coordinator", *NODES, "otel-collector", "collector-output-init", "jaeger", "pipeline"}
 RINGQ_IMAGE = "ringq:local"
-# What only pipeline/ uses; the broker image leaves them out (docker/Dockerfile, broker-deps).
+# What only pipeline/ uses: ringq-server's extra `pipeline`, which the broker image leaves out.
 PIPELINE_ONLY = {"pyspark", "pandas", "pyarrow", "matplotlib"}
+SDK_PYPROJECT = REPO / "clients" / "python" / "pyproject.toml"
 STAGES = {"wheel", "base", "broker-deps", "broker-venv", "broker", "pipeline-deps", "pipeline-venv", "pipeline"}
 
 
@@ -407,17 +409,17 @@ def test_broker_entrypoint_and_health_check(stages: dict[str, Stage]) -> None:
 def test_no_dev_dependency_java_or_spark_in_the_broker_image(stages: dict[str, Stage]) -> None:
     for name, stage in stages.items():
         runs = " ".join(i.arguments for i in stage.all("RUN"))
-        assert ("--extra dev" in runs) == (name == "wheel"), f"{name}: only the wheel stage may install dev tools"
+        assert "--extra dev" not in runs, f"{name}: no stage installs the dev tools"
+        assert ("--extra pipeline" in runs) == (name == "pipeline-deps"), f"{name}: only pipeline-deps has Spark"
         assert ("openjdk" in runs) == (name == "pipeline"), f"{name}: only the pipeline image has Java"
-    # The final images take the venv only, never the wheel stage (which has grpcio-tools).
+    # Both wheels, built with their own build requirements (grpcio-tools) in pip's build environment.
+    assert stages["wheel"].all("RUN")[-1].arguments == "pip wheel --no-deps --wheel-dir /wheels ./clients/python ."
+    # The final images take the venv only, never the wheel stage.
     assert [c.source_stage for c in _copies(stages["broker"]) if c.source_stage] == ["broker-venv"]
     assert [c.source_stage for c in _copies(stages["pipeline"]) if c.source_stage] == ["pipeline-venv"]
     [broker_deps] = stages["broker-deps"].all("RUN")
-    [pipeline_deps] = stages["pipeline-deps"].all("RUN")
-    without = re.search(r"--without ([a-z ]+?) >", broker_deps.arguments)
-    only = re.search(r"--only ([a-z ]+?) >", pipeline_deps.arguments)
-    assert without is not None and set(without.group(1).split()) == PIPELINE_ONLY
-    assert only is not None and set(only.group(1).split()) == PIPELINE_ONLY
+    read = re.findall(r"requirements\.py --pyproject (\S+)( --\S+)? >", broker_deps.arguments)
+    assert read == [("/tmp/build/clients/python/pyproject.toml", ""), ("/tmp/build/pyproject.toml", "")]
     for venv in ("broker-venv", "pipeline-venv"):
         assert "pip install --no-deps /tmp/wheels/" in stages[venv].all("RUN")[-1].arguments
 
@@ -461,10 +463,25 @@ def _in_context(path: str) -> bool:
 
 
 def test_dockerignore_lets_through_only_the_sources() -> None:
-    for path in ("pyproject.toml", "services/node.py", "clients/python/ringq/queue.py", "protos/ringq/v1/x.proto"):
+    for path in (
+        "pyproject.toml",
+        "setup.py",
+        "services/node.py",
+        "pipeline/lifecycle.py",
+        "clients/python/pyproject.toml",
+        "clients/python/setup.py",
+        "clients/python/_ringq_build.py",
+        "clients/python/ringq/queue.py",
+        "protos/ringq/v1/x.proto",
+    ):
         assert _in_context(path), path
     for path in (
         "clients/python/ringq/v1/queue_pb2.py",
+        "clients/python/ringq/internal/v1/peer_pb2.py",
+        "clients/python/build/lib/ringq/aio.py",
+        "clients/python/ringq.egg-info/PKG-INFO",
+        "ringq_server.egg-info/PKG-INFO",
+        "dist/ringq-0.2.0-py3-none-any.whl",
         "services/__pycache__/cli.cpython-311.pyc",
         "clients/node/package.json",
         "tests/test_cli.py",
@@ -500,20 +517,31 @@ def _load(name: str) -> types.ModuleType:
     return module
 
 
-def _pyproject() -> dict[str, Any]:
-    return _mapping(tomllib.loads((REPO / "pyproject.toml").read_text(encoding="utf-8"))["project"], "project")
+def _pyproject(path: Path = REPO / "pyproject.toml") -> dict[str, Any]:
+    return _mapping(tomllib.loads(path.read_text(encoding="utf-8")), path.name)
+
+
+def _broker_requirements() -> list[str]:
+    """What the broker image installs before the wheels: ringq's dependencies, then ringq-server's."""
+    requirements = _load("requirements")
+    return [*requirements.select(SDK_PYPROJECT), *requirements.select(REPO / "pyproject.toml")]
 
 
 def test_requirements_keep_the_pins_of_pyproject() -> None:
     requirements = _load("requirements")
     pyproject = REPO / "pyproject.toml"
-    dependencies = _strings(_pyproject()["dependencies"], "dependencies")
-    broker = requirements.select(pyproject, without=sorted(PIPELINE_ONLY))
-    pipeline = requirements.select(pyproject, only=sorted(PIPELINE_ONLY))
-    assert sorted(broker + pipeline) == sorted(dependencies)
+    server, sdk = _pyproject(), _pyproject(SDK_PYPROJECT)
+    # ringq-server's dependencies are dynamic (setup.py adds ringq==VERSION); the list is in [tool.ringq-server].
+    assert "dependencies" in server["project"]["dynamic"]
+    assert requirements.select(pyproject) == _strings(server["tool"]["ringq-server"]["dependencies"], "dependencies")
+    assert requirements.select(SDK_PYPROJECT) == _strings(sdk["project"]["dependencies"], "dependencies")
+    pipeline = requirements.select(pyproject, extra="pipeline")
     assert {requirements.requirement_name(r) for r in pipeline} == PIPELINE_ONLY
+    assert not {requirements.requirement_name(r) for r in _broker_requirements()} & PIPELINE_ONLY
+    # The grpcio-tools that generates the code in the wheels is the one `make protos` uses.
     [tools] = requirements.select(pyproject, extra="dev", only=["grpcio_tools"])
-    assert tools in _pyproject()["optional-dependencies"]["dev"] and tools.startswith("grpcio-tools==")
+    assert tools.startswith("grpcio-tools==")
+    assert tools in server["build-system"]["requires"] and tools in sdk["build-system"]["requires"]
     with pytest.raises(ValueError, match="not a requirement"):
         requirements.select(pyproject, without=["numpy"])
 
@@ -564,8 +592,7 @@ def _import_time_imports(path: Path) -> Iterator[tuple[str, int]]:
 
 def test_the_broker_code_imports_only_what_the_broker_image_installs() -> None:
     requirements = _load("requirements")
-    dependencies = _strings(_pyproject()["dependencies"], "dependencies")
-    broker = _distribution_closure({requirements.requirement_name(r) for r in dependencies} - PIPELINE_ONLY)
+    broker = _distribution_closure({requirements.requirement_name(r) for r in _broker_requirements()})
     provided_by = importlib.metadata.packages_distributions()
     first_party = {"services", "ringq"}
     code = [*(REPO / "services").rglob("*.py"), *(REPO / "clients/python/ringq").glob("*.py")]
