@@ -31,7 +31,7 @@ import signal
 import sys
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -41,7 +41,7 @@ import grpc
 from ringq import tracing
 from ringq.internal.v1 import peer_pb2, peer_pb2_grpc
 from ringq.keepalive import SERVER_KEEPALIVE
-from ringq.v1 import group_pb2, group_pb2_grpc, queue_pb2_grpc
+from ringq.v1 import admin_pb2, group_pb2, group_pb2_grpc, queue_pb2, queue_pb2_grpc
 from services import config
 from services import tls as tls_flags
 from services.access import DEFAULT_VHOST, Operation
@@ -60,6 +60,7 @@ from services.gm.links import LinkManager, channel_options
 from services.gm.member import MemberEvent, MemberShell, NotHosted, Watched
 from services.gm.messages import Deliver, Joined, MembersChanged, RingMessage, Stopped
 from services.gm.ring import NotJoined, RingMember
+from services.health import Health
 from services.memory_monitor import DEFAULT_WATERMARK_SHARE, MemoryMonitor, default_watermark_bytes
 from services.queue.manager import QueueManager
 from services.queue.service import QueueServicer
@@ -123,6 +124,16 @@ IMPOSTOR_NOTE_SECONDS = 60.0
 DEFAULT_DISK_FREE_LIMIT_MB = 50
 # A limit up to 1 PiB: anything larger is a typo (and still fits the heartbeat's uint64).
 MAX_DISK_FREE_LIMIT_MB = 1024**3
+# The services a node serves; its health service answers for each as for the node ("").
+NODE_SERVICES = tuple(
+    descriptor.full_name
+    for descriptor in (
+        queue_pb2.DESCRIPTOR.services_by_name["QueueService"],
+        group_pb2.DESCRIPTOR.services_by_name["GroupService"],
+        admin_pb2.DESCRIPTOR.services_by_name["AdminService"],
+        peer_pb2.DESCRIPTOR.services_by_name["PeerService"],
+    )
+)
 
 
 @dataclass(frozen=True)
@@ -199,6 +210,10 @@ class Node:
         self.disk = DiskMonitor(node_id, settings.data_dir, settings.disk_free_limit_bytes)
         # The memory alarm: the queue service stops reading publish streams while memory.alarm is on.
         self.memory = MemoryMonitor(node_id, settings.memory_high_watermark_bytes)
+        # This node's draining flag as the coordinator last answered a heartbeat (None: no answer yet);
+        # `on_draining` is awaited with each new value.
+        self.draining: bool | None = None
+        self.on_draining: Callable[[bool], Awaitable[None]] | None = None
 
     # -------------------------------------------------------------- lifecycle
 
@@ -247,15 +262,27 @@ class Node:
 
     async def _heartbeat(self) -> None:
         """Tell the coordinator this node is alive (it places replicas on live nodes only) and how
-        its disk and memory are (ringqctl cluster_status shows them)."""
+        its disk and memory are (ringqctl cluster_status shows them); learn from its answer whether
+        this node is draining (ringqctl drain_node), which its health service reports."""
         while True:
             disk = DiskReport(self.disk.free_bytes, self.disk.limit_bytes, self.disk.alarm)
             memory = MemoryReport(self.memory.used_bytes, self.memory.watermark_bytes, self.memory.alarm)
             try:
-                await self.coordinator.node_heartbeat(self.id, disk, memory)
+                draining = await self.coordinator.node_heartbeat(self.id, disk, memory)
             except grpc.aio.AioRpcError as error:
                 log.warning("heartbeat to the coordinator failed: %s", error.code().name)
+            else:
+                await self._draining_is(bool(draining))
             await asyncio.sleep(HEARTBEAT_TO_COORDINATOR_SECONDS)
+
+    async def _draining_is(self, draining: bool) -> None:
+        if draining == self.draining:
+            return
+        if self.draining is not None or draining:
+            log.info("node %s %s", self.id, "is draining" if draining else "is no longer draining")
+        self.draining = draining
+        if self.on_draining is not None:
+            await self.on_draining(draining)
 
     async def stop(self, timeout: float = 3.0) -> None:
         for member in list(self.members.values()):
@@ -638,6 +665,7 @@ async def serve(
     cluster_listen: str | None = None,
     cluster_advertise: str | None = None,
     certificate_listen: str | None = None,
+    health_listen: str | None = None,
 ) -> None:
     """Run a node until SIGTERM or SIGINT; clients are told `advertise` (default: the bound address).
 
@@ -645,8 +673,73 @@ async def serve(
     (TLS) and cluster members `cluster_listen` (mutual TLS, port 0 by default: any), so the cluster's
     internal services answer only certificates of the cluster CA. With `certificate_listen` too,
     clients may also come there with a user certificate of the cluster CA instead of a password.
+    Every port also serves the gRPC health service (services/health.py), and `health_listen` that alone,
+    in plaintext, from the start: NOT_SERVING until the node is ready (NodeReadiness).
     """
+    health = await Health.create(NODE_SERVICES)
+    health_server: grpc.aio.Server | None = None
+    if health_listen is not None:
+        health_server, health_port = await health.listen(health_listen)
+        log.info("node %s serving its health alone, in plaintext, on %s", node_id, _bound(health_listen, health_port))
+    try:
+        await _serve(
+            node_id,
+            listen,
+            coordinator,
+            settings,
+            ready_file,
+            advertise,
+            health,
+            tls=tls,
+            cluster_listen=cluster_listen,
+            cluster_advertise=cluster_advertise,
+            certificate_listen=certificate_listen,
+        )
+    finally:
+        if health_server is not None:
+            await health_server.stop(None)
+
+
+class NodeReadiness:
+    """What a node's health service says: SERVING once it has registered with the coordinator, joined the
+    groups of the queues placed on it (QueueManager.listed) and heard from the coordinator that it is not
+    draining; NOT_SERVING while it drains (the answer to each heartbeat says) and, for good, once it stops.
+    A node cut off from the coordinator keeps its last status: it still serves the queues it has."""
+
+    def __init__(self, health: Health, node: Node) -> None:
+        self.health = health
+        self.node = node
+        self.joined = False
+        node.on_draining = self.draining_changed
+
+    async def draining_changed(self, _draining: bool) -> None:
+        await self.update()
+
+    async def follow(self, queues: QueueManager) -> None:
+        await queues.listed.wait()
+        self.joined = True
+        await self.update()
+
+    async def update(self) -> None:
+        await self.health.set_serving(self.joined and self.node.draining is False)
+
+
+async def _serve(
+    node_id: str,
+    listen: str,
+    coordinator: str,
+    settings: NodeSettings,
+    ready_file: str | None,
+    advertise: str | None,
+    health: Health,
+    *,
+    tls: ClusterTLS | None,
+    cluster_listen: str | None,
+    cluster_advertise: str | None,
+    certificate_listen: str | None,
+) -> None:
     client_server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=[RequestGuard()])
+    health.add_to(client_server)
     port = _listen(client_server, listen, tls.client_server_credentials() if tls else None)
     address = advertise or f"{listen.rsplit(':', 1)[0]}:{port}"
     certificate_address = ""
@@ -658,6 +751,7 @@ async def serve(
     cluster_server, cluster_address = client_server, ""
     if tls is not None:
         cluster_server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=[RequestGuard(admit=member_problem)])
+        health.add_to(cluster_server)
         cluster_listen = cluster_listen or f"{listen.rsplit(':', 1)[0]}:0"
         cluster_port = _listen(cluster_server, cluster_listen, tls.cluster_server_credentials())
         cluster_address = cluster_advertise or f"{cluster_listen.rsplit(':', 1)[0]}:{cluster_port}"
@@ -674,6 +768,7 @@ async def serve(
         cluster_address=cluster_address,
         certificate_address=certificate_address,
     )
+    readiness = NodeReadiness(health, node)
     # With TLS every public call is authenticated and authorised (services/access_guard.py).
     access = AccessGuard(client, enforced=tls is not None)
     group_pb2_grpc.add_GroupServiceServicer_to_server(GroupServicer(node, access), client_server)
@@ -703,6 +798,7 @@ async def serve(
             await cluster_server.stop(None)
         raise
     await queues.start()
+    becoming_ready = asyncio.ensure_future(readiness.follow(queues))
     if ready_file:
         tmp = f"{ready_file}.tmp"
         Path(tmp).write_text(address)
@@ -720,6 +816,8 @@ async def serve(
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
+    becoming_ready.cancel()
+    await health.shutting_down()  # first: probes and load balancers stop sending clients here
     if access.enforced:
         background.cancel()
     await queues.stop()
@@ -728,6 +826,11 @@ async def serve(
     await client_server.stop(grace=1.0)
     if cluster_server is not client_server:
         await cluster_server.stop(grace=1.0)
+
+
+def _bound(listen: str, port: int) -> str:
+    """`listen` with the port bound for it."""
+    return f"{listen.rsplit(':', 1)[0]}:{port}"
 
 
 def _listen(server: grpc.aio.Server, listen: str, credentials: grpc.ServerCredentials | None) -> int:
@@ -799,6 +902,12 @@ def parser(prog: str = "ringq node") -> argparse.ArgumentParser:
         help="with TLS: also serve clients at HOST:PORT that authenticate with a client certificate of the "
         "cluster CA naming their user, instead of a password (port 0: any)",
     )
+    out.add_argument(
+        "--health-listen",
+        type=address_argument,
+        help="also serve the gRPC health service (grpc.health.v1.Health), and nothing else, in plaintext at "
+        "HOST:PORT, for probes that cannot do TLS: NOT_SERVING until registered and joined, and while draining",
+    )
     tls_flags.add_arguments(out)
     out.add_argument("--flush-interval-ms", type=_millis, default=str(defaults.flush_interval * 1000))
     out.add_argument("--heartbeat-interval-ms", type=_millis, default=str(defaults.heartbeat_interval * 1000))
@@ -863,8 +972,8 @@ def main(argv: list[str] | None = None, prog: str = "ringq node") -> int:
         disk_free_limit_bytes=args.disk_free_limit_mb,
         memory_high_watermark_bytes=args.memory_high_watermark_mb,
     )
-    tracing.configure("ringq-node", args.id, args.trace_dir)
     try:
+        tracing.configure("ringq-node", args.id, args.trace_dir)
         asyncio.run(
             serve(
                 args.id,
@@ -877,6 +986,7 @@ def main(argv: list[str] | None = None, prog: str = "ringq node") -> int:
                 cluster_listen=args.cluster_listen,
                 cluster_advertise=args.cluster_advertise,
                 certificate_listen=args.certificate_listen,
+                health_listen=args.health_listen,
             )
         )
     except OSError as error:

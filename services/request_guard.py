@@ -33,6 +33,9 @@ STREAM_LIMIT_OPTION = ("grpc.max_concurrent_streams", MAX_STREAMS_PER_CONNECTION
 # answered on one port). Without it, the second one fails to bind and says so.
 EXCLUSIVE_PORT_OPTION = ("grpc.so_reuseport", 0)
 SERVER_OPTIONS = [STREAM_LIMIT_OPTION, EXCLUSIVE_PORT_OPTION]
+# The standard health service (services/health.py) answers anyone on every port, like RabbitMQ's health
+# checks: it reveals only SERVING or NOT_SERVING. `admit` is not asked for these methods.
+HEALTH_METHODS = frozenset(f"/grpc.health.v1.Health/{method}" for method in ("Check", "List", "Watch"))
 _MAX_HOSTS_REMEMBERED = 1024
 
 
@@ -104,7 +107,8 @@ class RequestGuard(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]  # not
     """The server interceptor: `grpc.aio.server(interceptors=[RequestGuard()])`.
 
     `admit`, if given, says why a call may not be served at all (e.g. a cluster port called without a
-    member certificate: services/tls.py); such calls get PERMISSION_DENIED before any handler runs.
+    member certificate: services/tls.py); such calls get PERMISSION_DENIED before any handler runs. The
+    health service (HEALTH_METHODS) is admitted whoever calls.
     """
 
     def __init__(
@@ -125,7 +129,7 @@ class RequestGuard(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]  # not
         parse = _tolerant(handler.request_deserializer)
         serialize = handler.response_serializer
 
-        admit = self._admit
+        admit = self._admit if method not in HEALTH_METHODS else None
 
         async def gate(context: Any, request: Any) -> None:
             """Refuse a caller not admitted, then a malformed first request."""

@@ -48,11 +48,6 @@ MAKE_SECRETS = K8S / "make-secrets.sh"
 # kubernetes-validate ships. The Makefile's lint-k8s names the same oldest version.
 OLDEST_KUBERNETES = "1.29.0"
 RINGQ_MODULES = ("services.node", "services.coordinator")
-# Flags the manifests pass that the processes do not have yet: --health-listen, the plaintext port of
-# the grpc.health.v1 service that the health work (issue 14) adds to nodes and coordinators. A pending
-# flag the parser does not know is left out of the parse below; once it lands it is checked like any
-# other. Remove this allow-list when it has.
-PENDING_FLAGS = {"services.node": {"--health-listen"}, "services.coordinator": {"--health-listen"}}
 HEALTH_PORT_NAME = "health"
 _REFERENCE = re.compile(r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_]*)\)")
 
@@ -244,21 +239,6 @@ def coordinator_help() -> str:
     return done.stdout
 
 
-def without_pending(module: str, args: list[str]) -> list[str]:
-    """`args` less the pending flags (and their values) that `module` does not have yet."""
-    missing = PENDING_FLAGS.get(module, set()) - known_flags(module)
-    kept: list[str] = []
-    skip = False
-    for argument in args:
-        if skip:
-            skip = False
-        elif argument.split("=", 1)[0] in missing:
-            skip = "=" not in argument
-        else:
-            kept.append(argument)
-    return kept
-
-
 # ---------------------------------------------------------------------------------------------- make-secrets.sh
 
 
@@ -403,7 +383,7 @@ def test_every_flag_exists_and_every_variable_is_defined(workload_name: str) -> 
     workload, container = ringq_container(workload_name)
     module = module_of(container)
     assert module is not None
-    known = known_flags(module) | PENDING_FLAGS.get(module, set())
+    known = known_flags(module)
     for pod in pod_names(workload):
         args = expanded_args(container, pod)
         used = set(flag_values(args))
@@ -415,7 +395,7 @@ def test_node_command_lines_parse_as_the_node_parses_them() -> None:
     workload, container = ringq_container("ringq-node")
     for pod in pod_names(workload):
         args = expanded_args(container, pod)
-        parsed = node_process.parser().parse_args(without_pending("services.node", args))
+        parsed = node_process.parser().parse_args(args)
         assert parsed.id == pod
         assert parsed.data_dir == f"/var/lib/ringq/data/{pod}"
 
@@ -423,7 +403,7 @@ def test_node_command_lines_parse_as_the_node_parses_them() -> None:
 def test_coordinator_command_lines_parse_as_the_coordinator_parses_them() -> None:
     workload, container = ringq_container("ringq-coordinator")
     for pod in pod_names(workload):
-        args = without_pending("services.coordinator", expanded_args(container, pod))
+        args = expanded_args(container, pod)
         # argparse converts each value as it reads it and stops at --help: exit 0 means every value before
         # it was accepted (flags it does not know are the test above).
         done = subprocess.run(

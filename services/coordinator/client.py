@@ -142,8 +142,9 @@ class CoordinatorClient:
 
     async def node_heartbeat(
         self, node: str, disk: DiskReport = NO_DISK_REPORT, memory: MemoryReport = NO_MEMORY_REPORT
-    ) -> None:
-        """Prove `node` alive and report its disk and memory (what a report leaves as None is not sent)."""
+    ) -> bool:
+        """Prove `node` alive and report its disk and memory (what a report leaves as None is not sent);
+        returns whether the coordinator has `node` draining."""
         request = coordinator_pb2.NodeHeartbeatRequest(
             node=node,
             disk_free_bytes=disk.free_bytes,
@@ -153,7 +154,8 @@ class CoordinatorClient:
             memory_high_watermark_bytes=memory.watermark_bytes,
             memory_alarm=memory.alarm,
         )
-        await self._call(lambda stub: stub.NodeHeartbeat, request)
+        response = await self._call(lambda stub: stub.NodeHeartbeat, request)
+        return response.draining
 
     async def cluster_status(self) -> cluster_pb2.ClusterStatusResponse:
         return await self.call_admin(lambda stub: stub.ClusterStatus, cluster_pb2.ClusterStatusRequest())

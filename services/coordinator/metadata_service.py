@@ -131,7 +131,8 @@ class MetadataRpcs:
         await act_for(context, request.node)
         disk, memory = disk_report_from_heartbeat(request), memory_report_from_heartbeat(request)
         await run_store(context, records.node_heartbeat, self._store, request.node, now_ms(), disk, memory)
-        return coordinator_pb2.NodeHeartbeatResponse()
+        draining = await run_store(context, records.node_draining, self._store, request.node)
+        return coordinator_pb2.NodeHeartbeatResponse(draining=draining)
 
     async def SetNodeDraining(
         self, request: cluster_pb2.SetNodeDrainingRequest, context: _Context

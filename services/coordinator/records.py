@@ -161,6 +161,12 @@ def set_node_draining(store: Store, node: str, draining: bool) -> bool:
             return True
 
 
+def node_draining(store: Store, node: str) -> bool:
+    """The node's `draining` flag (False if `node` is not registered)."""
+    record = store.get(NODE, node)
+    return record is not None and bool(record.value.get("draining", False))
+
+
 def node_heartbeat(
     store: Store,
     node: str,

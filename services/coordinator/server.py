@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import importlib
 import logging
 import os
 import re
@@ -43,6 +42,7 @@ from services.coordinator.placement_trigger import PlacementTrigger, RecordChang
 from services.coordinator.sqlite_store import SqliteStore
 from services.coordinator.store import MAX_KEY_LENGTH, Store, StoreUnavailable
 from services.coordinator.watch import ChangeFeed, Resync
+from services.health import Health
 from services.passwords import hash_password
 from services.request_guard import SERVER_OPTIONS as GUARDED_SERVER_OPTIONS
 from services.request_guard import RequestGuard
@@ -261,14 +261,17 @@ async def create_server(
     tls: ClusterTLS | None = None,
     default_user: tuple[str, str] = (GUEST, GUEST),
     max_queues_per_vhost: int = DEFAULT_MAX_QUEUES_PER_VHOST,
+    health: Health | None = None,
 ) -> tuple[grpc.aio.Server, int]:
     """Start serving `store` on `address` (port 0 picks a free port); returns the server and its port.
 
     With `tls`, only cluster members (nodes and coordinators with certificates of the cluster CA)
-    are served, whichever the service, and a node acts only for itself.
+    are served, whichever the service, and a node acts only for itself; the gRPC health service
+    (`health`, or one of its own) answers anyone.
 
     Also starts, for the life of the event loop, the change feed behind Watch
-    and this coordinator's registration (so cluster_status lists it).
+    and this coordinator's registration (so cluster_status lists it), whose outcome is the health
+    status: SERVING while the registration reaches the store, NOT_SERVING while it cannot.
     """
     server = grpc.aio.server(
         options=[*SERVER_KEEPALIVE, *GUARDED_SERVER_OPTIONS], interceptors=[RequestGuard(admit=member_problem)]
@@ -283,7 +286,8 @@ async def create_server(
     servicer = CoordinatorServicer(store, feed, liveness_ms, passes, max_queues_per_vhost)
     coordinator_pb2_grpc.add_CoordinatorServiceServicer_to_server(servicer, server)
     admin_pb2_grpc.add_AdminServiceServicer_to_server(servicer, server)
-    await _add_health_service(server)
+    health = health if health is not None else await Health.create(_SERVICES)
+    health.add_to(server)
     try:
         if tls is None:
             port = server.add_insecure_port(address)
@@ -293,7 +297,7 @@ async def create_server(
         raise OSError(f"cannot listen on {address}: {error}") from None
     await server.start()
     advertised = f"{address.rsplit(':', 1)[0]}:{port}"
-    _background.add(asyncio.ensure_future(_register_coordinator(store, advertised, liveness_ms)))
+    _background.add(asyncio.ensure_future(_register_coordinator(store, advertised, liveness_ms, health)))
     _background.add(asyncio.ensure_future(_keep_queues_placed(store, feed, liveness_ms, passes)))
     return server, port
 
@@ -301,13 +305,17 @@ async def create_server(
 _background: set[asyncio.Future[None]] = set()
 
 
-async def _register_coordinator(store: Store, address: str, liveness_ms: int) -> None:
-    """Refresh this coordinator's registration a few times per liveness timeout."""
+async def _register_coordinator(store: Store, address: str, liveness_ms: int, health: Health) -> None:
+    """Refresh this coordinator's registration a few times per liveness timeout; report SERVING while
+    that reaches the store and NOT_SERVING while it cannot (ZooKeeper unreachable or without quorum)."""
     while True:
         try:
             await asyncio.to_thread(_refresh_registration, store, address)
         except StoreUnavailable as error:
             log.warning("cannot refresh the coordinator's registration: %s", error)
+            await health.set_serving(False)
+        else:
+            await health.set_serving(True)
         await asyncio.sleep(liveness_ms / 3000)
 
 
@@ -385,20 +393,6 @@ def _refresh_registration(store: Store, address: str) -> None:
     store.put(COORDINATOR, address, {"at_unix_ms": now_ms()}, current.version if current else 0)
 
 
-async def _add_health_service(server: grpc.aio.Server) -> None:
-    """Serve grpc.health.v1 when grpcio-health-checking is installed (it is optional)."""
-    try:
-        health = importlib.import_module("grpc_health.v1.health")
-        health_pb2 = importlib.import_module("grpc_health.v1.health_pb2")
-        health_pb2_grpc = importlib.import_module("grpc_health.v1.health_pb2_grpc")
-    except ImportError:
-        return
-    servicer = health.aio.HealthServicer()
-    for service in ("", *_SERVICES):
-        await servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
-    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
-
-
 async def serve(
     listen: str,
     db_path: str | None = None,
@@ -410,35 +404,54 @@ async def serve(
     tls: ClusterTLS | None = None,
     default_user: tuple[str, str] = (GUEST, GUEST),
     max_queues_per_vhost: int = DEFAULT_MAX_QUEUES_PER_VHOST,
+    health_listen: str | None = None,
 ) -> None:
     """Serve a store on `listen` until SIGTERM or SIGINT, then stop with a 1 s grace.
 
     The store is the SQLite file `db_path` (store_kind "sqlite") or the znodes under
-    `zookeeper_root` of the ensemble `zookeeper_hosts` (store_kind "zookeeper").
+    `zookeeper_root` of the ensemble `zookeeper_hosts` (store_kind "zookeeper"). With `health_listen`,
+    the gRPC health service alone is served there in plaintext from the start (NOT_SERVING until the
+    store is open and the coordinator serves).
     """
-    store = await asyncio.to_thread(
-        open_store, store_kind, db_path=db_path, zookeeper_hosts=zookeeper_hosts, zookeeper_root=zookeeper_root
-    )
-    where = f"db {db_path}" if store_kind == "sqlite" else f"zookeeper {zookeeper_hosts} {zookeeper_root}"
+    health = await Health.create(_SERVICES)
+    health_server: grpc.aio.Server | None = None
+    if health_listen is not None:
+        health_server, health_port = await health.listen(health_listen)
+        bound_health = f"{health_listen.rsplit(':', 1)[0]}:{health_port}"
+        log.info("coordinator serving its health alone, in plaintext, on %s", bound_health)
     try:
-        server, port = await create_server(
-            listen, store, tls=tls, default_user=default_user, max_queues_per_vhost=max_queues_per_vhost
+        store = await asyncio.to_thread(
+            open_store, store_kind, db_path=db_path, zookeeper_hosts=zookeeper_hosts, zookeeper_root=zookeeper_root
         )
+        where = f"db {db_path}" if store_kind == "sqlite" else f"zookeeper {zookeeper_hosts} {zookeeper_root}"
         try:
-            stop = asyncio.Event()
-            loop = asyncio.get_running_loop()
-            for sig in (signal.SIGTERM, signal.SIGINT):
-                loop.add_signal_handler(sig, stop.set)
-            bound = f"{listen.rsplit(':', 1)[0]}:{port}"
-            log.info("coordinator listening on %s (%s, %s)", bound, where, "mutual TLS" if tls else "plaintext")
-            if ready_file is not None:
-                _write_atomically(ready_file, bound)
-            await stop.wait()
-            log.info("coordinator stopping")
+            server, port = await create_server(
+                listen,
+                store,
+                tls=tls,
+                default_user=default_user,
+                max_queues_per_vhost=max_queues_per_vhost,
+                health=health,
+            )
+            try:
+                stop = asyncio.Event()
+                loop = asyncio.get_running_loop()
+                for sig in (signal.SIGTERM, signal.SIGINT):
+                    loop.add_signal_handler(sig, stop.set)
+                bound = f"{listen.rsplit(':', 1)[0]}:{port}"
+                log.info("coordinator listening on %s (%s, %s)", bound, where, "mutual TLS" if tls else "plaintext")
+                if ready_file is not None:
+                    _write_atomically(ready_file, bound)
+                await stop.wait()
+                log.info("coordinator stopping")
+                await health.shutting_down()
+            finally:
+                await server.stop(1.0)
         finally:
-            await server.stop(1.0)
+            store.close()
     finally:
-        store.close()
+        if health_server is not None:
+            await health_server.stop(None)
 
 
 def _write_atomically(path: str, text: str) -> None:

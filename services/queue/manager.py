@@ -79,6 +79,9 @@ class QueueManager:
         self.masters: dict[QueueKey, str] = {}
         self._master_moved = asyncio.Event()
         self.forward_publish: Callable[[QueueRecord, list[Publish]], Awaitable[None]] | None = None
+        # Set once every queue the first full listing placed here has had its replica started (joined to its
+        # group, or given up on and left to recreate): until then the node's health says NOT_SERVING.
+        self.listed = asyncio.Event()
         self.metrics = QueueMetrics(self.node_id, self._masters) if tracing.metrics_enabled() else None
 
     def _masters(self) -> Iterator[tuple[str, QueueMaster]]:
@@ -109,6 +112,7 @@ class QueueManager:
                 if revision == 0:
                     for record in await self.coordinator.list_queues():
                         await self.ensure(record)
+                    self.listed.set()
                 async for event in self.coordinator.watch(["queue"], revision):
                     revision = event.revision
                     if event.resync:
