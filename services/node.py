@@ -34,10 +34,11 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 
+import ringq
 from ringq import tracing
 from ringq.internal.v1 import peer_pb2, peer_pb2_grpc
 from ringq.keepalive import SERVER_KEEPALIVE
@@ -63,10 +64,14 @@ from services.gm.ring import NotJoined, RingMember
 from services.health import Health
 from services.memory_monitor import DEFAULT_WATERMARK_SHARE, MemoryMonitor, default_watermark_bytes
 from services.queue.manager import QueueManager
+from services.queue.metrics import node_gauges
 from services.queue.service import QueueServicer
 from services.request_guard import SERVER_OPTIONS as GUARDED_SERVER_OPTIONS
 from services.request_guard import RequestGuard
 from services.tls import PLAINTEXT, ClusterTLS, Dialer, acting_for_problem, member_problem
+
+if TYPE_CHECKING:
+    from services.prometheus import Scrape
 
 log = logging.getLogger("ringq.node")
 
@@ -769,6 +774,8 @@ async def _serve(
         certificate_address=certificate_address,
     )
     readiness = NodeReadiness(health, node)
+    if tracing.metrics_enabled():
+        node_gauges(node_id, ringq.__version__, lambda: health.serving)
     # With TLS every public call is authenticated and authorised (services/access_guard.py).
     access = AccessGuard(client, enforced=tls is not None)
     group_pb2_grpc.add_GroupServiceServicer_to_server(GroupServicer(node, access), client_server)
@@ -908,6 +915,12 @@ def parser(prog: str = "ringq node") -> argparse.ArgumentParser:
         help="also serve the gRPC health service (grpc.health.v1.Health), and nothing else, in plaintext at "
         "HOST:PORT, for probes that cannot do TLS: NOT_SERVING until registered and joined, and while draining",
     )
+    out.add_argument(
+        "--prometheus",
+        type=address_argument,
+        metavar="HOST:PORT",
+        help="serve metrics for Prometheus to scrape at http://HOST:PORT/metrics (docs/observability.md; port 0: any)",
+    )
     tls_flags.add_arguments(out)
     out.add_argument("--flush-interval-ms", type=_millis, default=str(defaults.flush_interval * 1000))
     out.add_argument("--heartbeat-interval-ms", type=_millis, default=str(defaults.heartbeat_interval * 1000))
@@ -972,8 +985,15 @@ def main(argv: list[str] | None = None, prog: str = "ringq node") -> int:
         disk_free_limit_bytes=args.disk_free_limit_mb,
         memory_high_watermark_bytes=args.memory_high_watermark_mb,
     )
+    scrape: Scrape | None = None
     try:
-        tracing.configure("ringq-node", args.id, args.trace_dir)
+        if args.prometheus is not None:
+            from services import prometheus  # the exporter is imported only by nodes that serve it
+
+            scrape = prometheus.start(args.prometheus)
+            log.info("node %s serving metrics for Prometheus on http://%s/metrics", args.id, scrape.address)
+        readers = [scrape.reader] if scrape is not None else []
+        tracing.configure("ringq-node", args.id, args.trace_dir, metric_readers=readers)
         asyncio.run(
             serve(
                 args.id,
@@ -994,6 +1014,8 @@ def main(argv: list[str] | None = None, prog: str = "ringq node") -> int:
         return 1
     finally:
         tracing.shutdown()
+        if scrape is not None:
+            scrape.close()
     return 0
 
 

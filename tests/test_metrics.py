@@ -1,6 +1,7 @@
 """OTel metrics and spans over OTLP: nodes started with the standard OTEL_EXPORTER_OTLP_ENDPOINT export
-queue depth, publish / deliver / ack counters and the ring round trip to a collector (a fake one here,
-serving OTLP/gRPC on 127.0.0.1)."""
+queue depth (ready, unacknowledged), consumers, publish / deliver / ack counters, the ring round trip (in
+seconds) and the node's identity and health to a collector (a fake one here, serving OTLP/gRPC on
+127.0.0.1). tests/test_prometheus.py scrapes the same instruments."""
 
 from __future__ import annotations
 
@@ -18,6 +19,18 @@ from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_serv
 
 from ringq import aio
 from services import cluster
+from services.queue.metrics import (
+    ACKED,
+    CONSUMERS,
+    DELIVERED,
+    IDENTITY,
+    MESSAGES,
+    MESSAGES_READY,
+    MESSAGES_UNACKED,
+    PUBLISHED,
+    ROUND_TRIP,
+    SERVING,
+)
 from tests.clusters import NODE_ARGS
 
 pytestmark = pytest.mark.integration
@@ -58,6 +71,10 @@ def collector() -> Iterator[tuple[FakeCollector, str]]:
         server.stop(None)
 
 
+def _attributes(point: Any) -> dict[str, str]:
+    return {a.key: a.value.string_value for a in point.attributes}
+
+
 def _sum(points: list[Any]) -> float:
     return float(sum(p.as_int or p.as_double for p in points))
 
@@ -74,9 +91,11 @@ def test_nodes_export_queue_metrics_and_spans_over_otlp(
     try:
         monkeypatch.delenv("OTEL_EXPORTER_OTLP_ENDPOINT")  # this process does not export: no client tracing
 
+        masters: list[str] = []
+
         async def traffic() -> None:
             async with aio.Connection([n.address for n in info.nodes]) as connection:
-                await connection.declare_queue("metered")
+                masters.append((await connection.declare_queue("metered")).master_node)
                 await connection.producer("metered").publish_many([b"x"] * 50)
                 consumer = connection.consumer("metered", prefetch=10)
                 async for delivery in consumer:
@@ -88,15 +107,18 @@ def test_nodes_export_queue_metrics_and_spans_over_otlp(
         asyncio.run(traffic())
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
-            published = [p for m in fake.metrics.get("ringq.queue.published", []) for p in m.sum.data_points]
-            if published and max(p.as_int for p in published) >= 50 and "ringq.ring.round_trip" in fake.metrics:
+            published = [p for m in fake.metrics.get(PUBLISHED, []) for p in m.sum.data_points]
+            if published and max(p.as_int for p in published) >= 50 and ROUND_TRIP in fake.metrics:
                 break
             time.sleep(0.2)
         latest = {name: series[-1] for name, series in fake.metrics.items()}
-        assert latest["ringq.queue.published"].sum.data_points[0].as_int == 50
-        assert latest["ringq.queue.delivered"].sum.data_points[0].as_int >= 30
-        assert latest["ringq.queue.acked"].sum.data_points[0].as_int >= 1
-        assert latest["ringq.ring.round_trip"].histogram.data_points[0].count > 0
-        assert "ringq.queue.depth" in latest
+        assert latest[PUBLISHED].sum.data_points[0].as_int == 50
+        assert latest[DELIVERED].sum.data_points[0].as_int >= 30
+        assert latest[ACKED].sum.data_points[0].as_int >= 1
+        assert latest[ROUND_TRIP].histogram.data_points[0].count > 0
+        assert latest[ROUND_TRIP].unit == "s"
+        assert {MESSAGES, MESSAGES_READY, MESSAGES_UNACKED, CONSUMERS, IDENTITY, SERVING} <= set(latest)
+        (point,) = [p for p in latest[MESSAGES].gauge.data_points if _attributes(p)["ringq.queue"] == "metered"]
+        assert _attributes(point) == {"ringq.vhost": "/", "ringq.queue": "metered", "ringq.node": masters[0]}
     finally:
         cluster.down(tmp_path)

@@ -82,12 +82,18 @@ class QueueManager:
         # Set once every queue the first full listing placed here has had its replica started (joined to its
         # group, or given up on and left to recreate): until then the node's health says NOT_SERVING.
         self.listed = asyncio.Event()
-        self.metrics = QueueMetrics(self.node_id, self._masters) if tracing.metrics_enabled() else None
+        # The vhost of each GM group a replica here was started for (metrics name queues by vhost and name).
+        self._group_vhosts: dict[str, str] = {}
+        self.metrics = (
+            QueueMetrics(self.node_id, self._masters, lambda group: self._group_vhosts.get(group, ""))
+            if tracing.metrics_enabled()
+            else None
+        )
 
-    def _masters(self) -> Iterator[tuple[str, QueueMaster]]:
+    def _masters(self) -> Iterator[tuple[str, str, QueueMaster]]:
         for replica in list(self.replicas.values()):
             if replica.master is not None:
-                yield replica.record.name, replica.master
+                yield replica.record.vhost, replica.record.name, replica.master
 
     async def start(self) -> None:
         self._spawn(self._follow_records())
@@ -135,6 +141,7 @@ class QueueManager:
         for queue_key, replica in list(self.replicas.items()):
             if replica.record.key == key:
                 del self.replicas[queue_key]
+                self._group_vhosts.pop(replica.record.gm_group, None)
                 for kept in (self.masters, self._started_at, self._recreate_after):
                     kept.pop(queue_key, None)
                 await replica.stop()
@@ -162,6 +169,7 @@ class QueueManager:
         self._starting[key] = future
         try:
             replica = QueueReplica(self, record)
+            self._group_vhosts[record.gm_group] = record.vhost
             log.info("queue %s: a replica starts on %s (record version %d)", record.name, self.node_id, record.version)
             self._started_at[key] = asyncio.get_running_loop().time()
             await replica.start()

@@ -3,13 +3,16 @@ and W3C trace context in message headers.
 
 Responsible for: installing a tracer provider when asked to (the standard
 `OTEL_EXPORTER_OTLP_ENDPOINT`, or a span directory from `--trace-dir` /
-`RINGQ_TRACE_DIR`), writing finished spans as JSON lines in the format of
-docs/observability.md, and carrying a message's trace context in its
-headers (`traceparent`, `tracestate`).
+`RINGQ_TRACE_DIR`), and a meter provider (the same endpoint, or metric readers
+the caller brings: a node's Prometheus scrape, services/prometheus.py); writing
+finished spans as JSON lines in the format of docs/observability.md, and
+carrying a message's trace context in its headers (`traceparent`, `tracestate`).
 
-Guarantees: with neither an endpoint nor a directory nothing is installed
-and `enabled()` is False, so callers skip every tracing call on the message
-path; spans of a process are flushed when `shutdown()` runs (at exit).
+Guarantees: with neither an endpoint nor a directory no tracer provider is
+installed and `enabled()` is False, so callers skip every tracing call on the
+message path; with neither an endpoint nor a reader no meter provider is, and
+`metrics_enabled()` is False. Spans and metrics of a process are flushed when
+`shutdown()` runs (at exit).
 """
 
 from __future__ import annotations
@@ -43,22 +46,35 @@ def enabled() -> bool:
 
 
 def metrics_enabled() -> bool:
-    """True once `configure` installed an OTLP metrics exporter in this process."""
+    """True once `configure` installed a meter provider (OTLP export, the readers it was given, or both)."""
     return _state["meters"] is not None
 
 
-def configure(service_name: str, process: str, trace_dir: str | None = None, sample_ratio: float | None = None) -> bool:
-    """Install tracing for this process if an OTLP endpoint or a span directory is set; idempotent.
-    `sample_ratio` (0..1) traces that share of new traces (default: OTEL_TRACES_SAMPLER, else all).
-    Returns whether tracing is on."""
+def configure(
+    service_name: str,
+    process: str,
+    trace_dir: str | None = None,
+    sample_ratio: float | None = None,
+    *,
+    metric_readers: Sequence[Any] = (),
+) -> bool:
+    """Install tracing for this process if an OTLP endpoint or a span directory is set, and metrics if an
+    OTLP endpoint is or `metric_readers` (OpenTelemetry MetricReaders, e.g. a Prometheus scrape) are given;
+    idempotent. `sample_ratio` (0..1) traces that share of new traces (default: OTEL_TRACES_SAMPLER, else
+    all). Returns whether tracing is on."""
     if enabled():
         return True
     endpoint = os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
     directory = trace_dir or os.environ.get(TRACE_DIR_ENV)
-    if not endpoint and not directory:
+    if not endpoint and not directory and not metric_readers:
         return False
     service = os.environ.get("OTEL_SERVICE_NAME", service_name)
     resource = Resource.create({"service.name": service, "ringq.process": process})
+    if (endpoint or metric_readers) and not metrics_enabled():
+        _configure_metrics(resource, bool(endpoint), metric_readers)
+        atexit.register(shutdown)
+    if not endpoint and not directory:
+        return False
     sampler = None
     if sample_ratio is not None and "OTEL_TRACES_SAMPLER" not in os.environ:
         sampler = ParentBased(TraceIdRatioBased(sample_ratio))
@@ -68,24 +84,34 @@ def configure(service_name: str, process: str, trace_dir: str | None = None, sam
         exporter = JsonLinesSpanExporter(path, process, service)
         provider.add_span_processor(BatchSpanProcessor(exporter, schedule_delay_millis=500))
     if endpoint:
-        from opentelemetry import metrics
-        from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import OTLPMetricExporter
         from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
-        from opentelemetry.sdk.metrics import MeterProvider
-        from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
 
         provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
-        meters = MeterProvider(resource=resource, metric_readers=[PeriodicExportingMetricReader(OTLPMetricExporter())])
-        metrics.set_meter_provider(meters)
-        _state["meters"] = meters
     _state["provider"] = provider
     _state["process"] = process
     atexit.register(shutdown)
     return True
 
 
+def _configure_metrics(resource: Resource, otlp: bool, metric_readers: Sequence[Any]) -> None:
+    """Install the meter provider: OTLP export (every OTEL_METRIC_EXPORT_INTERVAL) if `otlp`, and
+    `metric_readers`; the same instruments go to each."""
+    from opentelemetry import metrics
+    from opentelemetry.sdk.metrics import MeterProvider
+
+    readers = list(metric_readers)
+    if otlp:
+        from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import OTLPMetricExporter
+        from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
+
+        readers.append(PeriodicExportingMetricReader(OTLPMetricExporter()))
+    meters = MeterProvider(resource=resource, metric_readers=readers)
+    metrics.set_meter_provider(meters)
+    _state["meters"] = meters
+
+
 def shutdown() -> None:
-    """Flush and stop this process's tracing (idempotent)."""
+    """Flush and stop this process's tracing and metrics (idempotent)."""
     provider, meters = _state["provider"], _state["meters"]
     _state["provider"] = _state["meters"] = None
     if provider is not None:
