@@ -12,6 +12,7 @@ other service there still refuses a non-member.
 from __future__ import annotations
 
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -221,3 +222,19 @@ def test_with_tls_the_health_service_needs_no_credentials(tmp_path: Path) -> Non
             assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED
     finally:
         cluster.down(tmp_path / "cluster")
+
+
+def test_a_health_port_already_taken_is_one_line_and_exit_1(tmp_path: Path) -> None:
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        address = f"127.0.0.1:{taken.getsockname()[1]}"
+        for command in (
+            ["services.node", "--id", "n1", "--coordinator", "127.0.0.1:1", "--data-dir", str(tmp_path / "n1")],
+            ["services.coordinator", "--listen", "127.0.0.1:0", "--db", str(tmp_path / "c.db")],
+        ):
+            done = subprocess.run(
+                [sys.executable, "-m", *command, "--health-listen", address],
+                cwd=REPO, capture_output=True, text=True, timeout=30, check=False, stdin=subprocess.DEVNULL,
+            )  # fmt: skip
+            assert done.returncode == 1, done.stderr
+            last = done.stderr.strip().splitlines()[-1]
+            assert f"cannot listen on {address} (--health-listen)" in last, done.stderr
