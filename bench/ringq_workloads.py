@@ -89,6 +89,7 @@ from bench.reference.rabbitmq_workloads import (
 )
 from ringq import aio
 from ringq.aio import STREAM_RETRYABLE
+from ringq.errors import RingqError
 from ringq.security import TLS, Credentials
 from ringq.v1 import queue_pb2
 from services import certs, cluster
@@ -700,10 +701,10 @@ class _Consumer:
                 async for delivery in consumer:
                     self._on_delivery(delivery)
                 self.report.errors.append("connection lost: the consume stream ended")
-            except grpc.aio.AioRpcError as error:  # not retryable, or out of retries: the consumer resumes itself
-                if "delivery tag" in (error.details() or ""):
+            except RingqError as error:  # not retryable, or out of retries: the consumer resumes itself
+                if "delivery tag" in error.details:
                     self.report.ack_errors += 1  # the queue refused an ack and ended the stream
-                self.report.errors.append(f"consume failed: {_error_text(error)}"[:200])
+                self.report.errors.append(f"consume failed: {error.code.name}: {error.details}"[:200])
             finally:
                 await consumer.close()
             await asyncio.sleep(0.05)

@@ -24,9 +24,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import grpc
-
 from ringq import aio, tracing
+from ringq.errors import RingqError
 from ringq.security import TLS, Credentials
 from services import certs, cluster
 
@@ -74,7 +73,7 @@ async def _watch_master(connection: aio.Connection, progress: Progress) -> None:
     while True:
         try:
             master = (await connection.queue_status(QUEUE)).master_node
-        except grpc.aio.AioRpcError:  # a status during the promotion may fail; the next one answers
+        except RingqError:  # a status during the promotion may fail; the next one answers
             master = ""
         if master and master != progress.master:
             if progress.master:

@@ -39,6 +39,7 @@ import grpc
 import pytest
 
 from ringq import aio
+from ringq.errors import RingqError
 from ringq.internal.v1 import queue_replication_pb2
 from ringq.v1 import queue_pb2
 from services import cluster
@@ -69,10 +70,10 @@ def disk_alarm_off() -> list[str]:
 
 async def until(condition: Callable[[], Awaitable[bool]], seconds: float, what: str, period_s: float = 0.1) -> None:
     """Return once `condition()` is true; AssertionError naming `what` if it is still false after `seconds`.
-    A gRPC error counts as false (a node may be restarting)."""
+    An error of a call (the SDK's or a raw stub's) counts as false (a node may be restarting)."""
     deadline = time.monotonic() + seconds
     while True:
-        with contextlib.suppress(grpc.aio.AioRpcError):
+        with contextlib.suppress(grpc.aio.AioRpcError, RingqError):
             if await condition():
                 return
         if time.monotonic() > deadline:
@@ -84,11 +85,11 @@ async def watch(
     connection: aio.Connection, queue: str, seconds: float, period_s: float = 0.2
 ) -> list[queue_pb2.QueueInfo]:
     """The queue's status every `period_s` for `seconds`: watching a state that must hold for a while (a full
-    disk makes no loop), not waiting for something to happen. A status that meets a gRPC error is skipped."""
+    disk makes no loop), not waiting for something to happen. A status that meets an error is skipped."""
     statuses: list[queue_pb2.QueueInfo] = []
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
-        with contextlib.suppress(grpc.aio.AioRpcError):
+        with contextlib.suppress(RingqError):
             statuses.append(await connection.queue_status(queue))
         await asyncio.sleep(period_s)
     return statuses
@@ -171,7 +172,7 @@ async def drain(connection: aio.Connection, queue: str, seconds: float) -> list[
             try:
                 delivery = await asyncio.wait_for(anext(iterator), 0.5)
             except TimeoutError:  # nothing came for a while: empty, or still recovering?
-                with contextlib.suppress(grpc.aio.AioRpcError):
+                with contextlib.suppress(RingqError):
                     if (await connection.queue_status(queue)).depth == 0:
                         return deliveries
                 assert time.monotonic() < deadline, f"{queue}: not drained within {seconds:g} s"
@@ -450,8 +451,8 @@ class SteadyPublisher:
     def _answered(self, seq: int, outcome: asyncio.Future[aio.Outcome]) -> None:
         if outcome.cancelled():
             self.ledger.refused[seq] = (grpc.StatusCode.CANCELLED, "the producer was closed")
-        elif isinstance(error := outcome.exception(), grpc.aio.AioRpcError):
-            self.ledger.refused[seq] = (error.code(), error.details() or "")
+        elif isinstance(error := outcome.exception(), RingqError):
+            self.ledger.refused[seq] = (error.code, error.details)
         elif error is not None:
             self.ledger.refused[seq] = (grpc.StatusCode.UNKNOWN, repr(error))
         elif outcome.result() == aio.Outcome.REJECTED:

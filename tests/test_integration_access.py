@@ -19,6 +19,7 @@ import grpc
 import pytest
 
 from ringq import aio
+from ringq.errors import PermissionDenied, RingqError
 from ringq.security import Credentials
 from ringq.v1 import admin_pb2_grpc, cluster_pb2
 from services import certs, cluster
@@ -75,8 +76,12 @@ async def _users(info: cluster.ClusterInfo) -> None:
 
 
 async def _refused(call: Awaitable[Any], code: grpc.StatusCode) -> str:
+    """The details of the refusal of `call` (an SDK call, or a raw stub's), which must have `code`."""
     try:
         await call
+    except RingqError as error:
+        assert error.code == code, (error.code, error.details)
+        return error.details
     except grpc.aio.AioRpcError as error:
         assert error.code() == code, (error.code(), error.details())
         return error.details() or ""
@@ -124,9 +129,9 @@ def test_permissions_bound_each_user_to_its_names_and_vhosts(secure: cluster.Clu
             await _refused(alice.purge_queue("shared"), grpc.StatusCode.PERMISSION_DENIED)
             await _refused(alice.delete_queue("shared"), grpc.StatusCode.PERMISSION_DENIED)
             intruder = alice.producer("shared")
-            with pytest.raises(grpc.aio.AioRpcError) as refused:
+            with pytest.raises(PermissionDenied) as refused:
                 await intruder.publish(b"not yours")
-            assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED
+            assert refused.value.code == grpc.StatusCode.PERMISSION_DENIED
             await intruder.close()
         async with _connection(secure, ALICE, vhost="v1") as elsewhere:
             details = await _refused(elsewhere.declare_queue("alice.q"), grpc.StatusCode.PERMISSION_DENIED)
@@ -191,8 +196,8 @@ def test_permission_changes_reach_every_node(secure: cluster.ClusterInfo) -> Non
             async def refused(connection: aio.Connection = connection) -> bool:
                 try:
                     await connection.queue_status("alice.revoked")
-                except grpc.aio.AioRpcError as error:
-                    return error.code() == grpc.StatusCode.PERMISSION_DENIED
+                except RingqError as error:
+                    return isinstance(error, PermissionDenied)
                 return False
 
             await _eventually(refused, f"{node.name} to refuse alice once her permissions were cleared")

@@ -23,6 +23,7 @@ import grpc
 import pytest
 
 from ringq import aio
+from ringq.errors import RingqError
 from ringq.security import TLS, Credentials
 from services import certs, cluster
 from tests.clusters import GUEST, NODE_ARGS, client_tls
@@ -69,14 +70,16 @@ def _as_user(info: cluster.ClusterInfo, user: str, directory: Path | None = None
 
 
 def _connection(addresses: list[str], tls: TLS, credentials: Credentials | None = None) -> aio.Connection:
-    return aio.Connection(addresses, tls=tls, credentials=credentials, retry_for=2.0, call_timeout=WAIT)
+    return aio.Connection(
+        addresses, tls=tls, credentials=credentials, retry_for=2.0, call_timeout=WAIT, connect_timeout=2.0
+    )
 
 
 async def _code(call: object) -> grpc.StatusCode:
     try:
         await call  # type: ignore[misc]
-    except grpc.aio.AioRpcError as error:
-        return error.code()
+    except RingqError as error:
+        return error.code
     return grpc.StatusCode.OK
 
 

@@ -38,6 +38,7 @@ import pytest
 from google.protobuf import json_format
 
 from ringq import aio
+from ringq.errors import ResourceExhausted
 from services import cluster
 from tests.disks import (
     DISK_FREE_LIMIT_FLAG,
@@ -423,10 +424,10 @@ async def _below_the_disk_free_limit(directory: Path) -> dict[str, float]:
     await declare_on(info, "node1", "limit.on-node1")
     await declare_on(info, "node2", "limit.on-node2")
     client = connect(info)
-    with pytest.raises(grpc.aio.AioRpcError) as refused:
+    with pytest.raises(ResourceExhausted) as refused:
         await client.producer("limit.on-node1", persistent=True).publish(b"persistent")
-    assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, refused.value
-    assert "limit" in (refused.value.details() or "") and str(LIMIT_MIB) in (refused.value.details() or "")
+    assert refused.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED, refused.value
+    assert "limit" in refused.value.details and str(LIMIT_MIB) in refused.value.details
     assert await client.producer("limit.on-node1").publish(b"transient") == aio.Outcome.CONFIRMED
     assert await client.producer("limit.on-node2", persistent=True).publish(b"elsewhere") == aio.Outcome.CONFIRMED
     await client.close()

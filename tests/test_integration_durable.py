@@ -18,10 +18,10 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-import grpc
 import pytest
 
 from ringq import aio
+from ringq.errors import NotFound, RingqError
 from services import cluster
 from tests.test_integration_queue import _client, _start
 
@@ -103,8 +103,8 @@ async def _wait_until_deleted(client: aio.Connection, queue: str, seconds: float
         status: object
         try:
             status = await client.queue_status(queue)
-        except grpc.aio.AioRpcError as error:
-            if error.code() == grpc.StatusCode.NOT_FOUND:
+        except RingqError as error:
+            if isinstance(error, NotFound):
                 return
             status = error
         assert time.monotonic() < deadline, f"the transient queue {queue} survived the restart: {status}"
@@ -129,7 +129,7 @@ async def _wait_for_status(client: aio.Connection, queue: str, ready: Callable[[
     deadline = time.monotonic() + seconds
     last: Any = None
     while time.monotonic() < deadline:
-        with contextlib.suppress(grpc.aio.AioRpcError):
+        with contextlib.suppress(RingqError):
             last = await client.queue_status(queue)
             if ready(last):
                 return last

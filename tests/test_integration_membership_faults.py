@@ -40,6 +40,7 @@ from google.protobuf import text_format
 from google.protobuf.message import Message
 
 from ringq import aio
+from ringq.errors import RingqError
 from ringq.internal.v1 import coordinator_pb2, coordinator_pb2_grpc
 from ringq.v1 import cluster_pb2, queue_pb2
 from services import cluster
@@ -84,6 +85,8 @@ async def _eventually(
             answer = await probe()
         except grpc.aio.AioRpcError as error:
             last = f"{error.code().name}: {error.details()}"
+        except RingqError as error:
+            last = str(error)
         else:
             if done(answer):
                 return answer

@@ -21,6 +21,7 @@ import grpc
 import pytest
 
 from ringq import aio
+from ringq.errors import RingqError, Unavailable
 from ringq.v1 import admin_pb2_grpc, cluster_pb2, queue_pb2
 from services import cluster
 from tests.clusters import NODE_ARGS, every_node_live
@@ -63,8 +64,8 @@ async def _when_synced(directory: Path) -> None:
     try:
         await survivors.queue_status("ha.q")
         raise AssertionError("the queue answered without a master")
-    except grpc.aio.AioRpcError as error:
-        assert error.code() == grpc.StatusCode.UNAVAILABLE, error
+    except Unavailable as error:
+        assert error.code == grpc.StatusCode.UNAVAILABLE, error
     call = survivors.stub().Publish()  # a publish while the queue has no master: retry later, nothing taken
     await call.write(
         queue_pb2.PublishRequest(
@@ -74,8 +75,8 @@ async def _when_synced(directory: Path) -> None:
     try:
         await call.read()
         raise AssertionError("a publish was answered without a master")
-    except grpc.aio.AioRpcError as error:
-        assert error.code() == grpc.StatusCode.UNAVAILABLE and "retry" in (error.details() or ""), error
+    except grpc.aio.AioRpcError as refused:
+        assert refused.code() == grpc.StatusCode.UNAVAILABLE and "retry" in (refused.details() or ""), refused
     cluster.start_node(directory, "node1")
     restarted = aio.Connection([n.address for n in cluster.load(directory).nodes], retry_for=5)
     deadline = time.monotonic() + 30
@@ -84,7 +85,7 @@ async def _when_synced(directory: Path) -> None:
             status = await restarted.queue_status("ha.q")
             if status.master_node == "node1" and status.depth:
                 break
-        except grpc.aio.AioRpcError:
+        except RingqError:
             pass
         assert time.monotonic() < deadline, "the master did not come back"
         await asyncio.sleep(0.2)
@@ -103,7 +104,7 @@ async def _always(directory: Path) -> None:
             status = await survivors.queue_status("ha.q")
             if status.master_node != "node1":
                 break
-        except grpc.aio.AioRpcError:
+        except RingqError:
             pass
         assert time.monotonic() < deadline, "no mirror was promoted"
         await asyncio.sleep(0.1)

@@ -16,6 +16,7 @@ import grpc
 import pytest
 
 from ringq import aio
+from ringq.errors import InvalidArgument, NotFound, RingqError
 from ringq.v1 import admin_pb2_grpc, cluster_pb2
 from services import cluster
 from tests.clusters import NODE_ARGS, every_node_live
@@ -160,13 +161,13 @@ def test_queue_arguments_bound_a_queue_with_its_policy_and_bad_ones_are_refused(
                 ({"x-max-lenght": 10}, "x-max-lenght"),
                 ({"x-single-active-consumer": "yes"}, "x-single-active-consumer"),
             ):
-                with pytest.raises(grpc.aio.AioRpcError) as refused:
+                with pytest.raises(InvalidArgument) as refused:
                     await client.declare_queue("bad.args", arguments=arguments)
-                assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT, refused.value
-                assert named in (refused.value.details() or "")
-            with pytest.raises(grpc.aio.AioRpcError) as absent:
+                assert refused.value.code == grpc.StatusCode.INVALID_ARGUMENT, refused.value
+                assert named in refused.value.details
+            with pytest.raises(NotFound) as absent:
                 await client.queue_status("bad.args")
-            assert absent.value.code() == grpc.StatusCode.NOT_FOUND, "a refused declare made the queue"
+            assert absent.value.code == grpc.StatusCode.NOT_FOUND, "a refused declare made the queue"
 
     asyncio.run(scenario())
 
@@ -186,14 +187,14 @@ def test_a_deleted_queue_confirms_and_delivers_nothing_once_the_delete_has_retur
                 first = await asyncio.wait_for(anext(aiter(consumer)), 10)
                 assert first.body == b"before"
                 await admin.delete_queue(queue)
-                with pytest.raises(grpc.aio.AioRpcError) as refused:
+                with pytest.raises(RingqError) as refused:
                     await producer.publish(b"after")
-                assert refused.value.code() in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.UNAVAILABLE)
+                assert refused.value.code in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.UNAVAILABLE)
                 late: list[bytes] = []
-                with pytest.raises(grpc.aio.AioRpcError) as ended:
+                with pytest.raises(NotFound) as ended:
                     async for delivery in consumer:  # the stream ends; reattaching finds no queue
                         late.append(delivery.body)
-                assert ended.value.code() == grpc.StatusCode.NOT_FOUND, ended.value
+                assert ended.value.code == grpc.StatusCode.NOT_FOUND, ended.value
                 assert late == [], "a message was delivered after the delete returned"
                 await producer.close()
 
@@ -212,8 +213,8 @@ def test_an_auto_delete_queue_goes_with_its_last_consumer(nodes: list[str]) -> N
             while True:
                 try:
                     await client.queue_status("auto.q")
-                except grpc.aio.AioRpcError as error:
-                    assert error.code() == grpc.StatusCode.NOT_FOUND, error
+                except RingqError as error:
+                    assert isinstance(error, NotFound), error
                     break
                 assert time.monotonic() < deadline, "the auto-delete queue outlived its last consumer"
                 await asyncio.sleep(0.05)

@@ -14,6 +14,7 @@ import grpc
 import pytest
 
 from ringq import aio
+from ringq.errors import RingqError
 from services import cluster
 from tests.clusters import live_cluster
 
@@ -52,8 +53,8 @@ def test_wiring_keeps_the_queue_available_but_not_its_messages(levels_cluster: c
                     status = await connection.queue_status("wiring.q")
                     if status.master_node != master and "running" in status.status:
                         break
-                except grpc.aio.AioRpcError as error:
-                    assert error.code() == grpc.StatusCode.UNAVAILABLE, error
+                except RingqError as error:
+                    assert error.code == grpc.StatusCode.UNAVAILABLE, error
                 assert time.monotonic() < deadline, "no mirror took over"
                 await asyncio.sleep(0.1)
             assert status.depth == 0 and "wiring" in status.status, status

@@ -23,6 +23,7 @@ from pathlib import Path
 import grpc
 import pytest
 
+from ringq.errors import RingqError
 from ringq.group import DeliveryCheck, GroupMembership
 from services import cluster
 
@@ -150,8 +151,8 @@ async def _paused_node_scenario(directory: Path) -> float:
             async for _ in c.events():
                 pass
             c_ended.set_result(grpc.StatusCode.OK)
-        except grpc.aio.AioRpcError as error:
-            c_ended.set_result(error.code())
+        except RingqError as error:
+            c_ended.set_result(error.code)
 
     c_follower = asyncio.ensure_future(follow_c())
     for _ in range(10):

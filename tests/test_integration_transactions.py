@@ -25,6 +25,7 @@ import grpc
 import pytest
 
 from ringq import aio
+from ringq.errors import PreconditionFailed, RingqError, Unavailable
 from services import cluster
 from tests.clusters import access, live_cluster
 
@@ -74,9 +75,9 @@ def test_commit_applies_acks_and_publishes_together_and_rollback_nothing(secure:
             tx.ack(second)
             tx.ack(first)  # acknowledged already
             tx.publish(b"B")
-            with pytest.raises(grpc.aio.AioRpcError) as refused:
+            with pytest.raises(PreconditionFailed) as refused:
                 await tx.commit()
-            assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+            assert refused.value.code == grpc.StatusCode.FAILED_PRECONDITION
             assert (await client.queue_status(queue)).depth == 2
             await consumer.close()
             await producer.close()
@@ -117,12 +118,12 @@ def test_a_master_killed_while_transactions_commit_leaves_each_whole_or_absent(s
                                 tx.ack(delivery)
                                 tx.publish(b"out-" + delivery.body[3:])
                             committed += 1
-                    except grpc.aio.AioRpcError:
+                    except RingqError:
                         pass  # the master went away mid-commit: whole or nothing; a new consumer goes on
                     finally:
-                        with contextlib.suppress(grpc.aio.AioRpcError):
+                        with contextlib.suppress(RingqError):
                             await consumer.close()
-                        with contextlib.suppress(grpc.aio.AioRpcError):
+                        with contextlib.suppress(RingqError):
                             await producer.close()
 
             workers = [asyncio.ensure_future(worker(n)) for n in range(WORKERS)]
@@ -165,7 +166,7 @@ def test_a_master_killed_while_transactions_commit_leaves_each_whole_or_absent(s
 async def _depth(client: aio.Connection, queue: str) -> int:
     try:
         return (await client.queue_status(queue)).depth
-    except grpc.aio.AioRpcError:
+    except RingqError:
         return -1  # no master yet
 
 
@@ -199,14 +200,14 @@ def test_a_master_killed_right_after_deciding_a_transaction_leaves_it_whole_or_a
                 if n < 2:
                     await tx.commit()
                 else:
-                    with pytest.raises(grpc.aio.AioRpcError) as failed:
+                    with pytest.raises(Unavailable) as failed:
                         await tx.commit()  # its master exits at the failpoint
-                    assert failed.value.code() == grpc.StatusCode.UNAVAILABLE, failed.value
-            with contextlib.suppress(grpc.aio.AioRpcError):
+                    assert failed.value.code == grpc.StatusCode.UNAVAILABLE, failed.value
+            with contextlib.suppress(RingqError):
                 await consumer.close()
             deadline = time.monotonic() + 30
             while True:  # a mirror takes over; what the old consumer held goes back to ready
-                with contextlib.suppress(grpc.aio.AioRpcError):
+                with contextlib.suppress(RingqError):
                     status = await client.queue_status(queue)
                     if status.master_node != master and status.unacked == 0:
                         break

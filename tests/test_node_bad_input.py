@@ -31,6 +31,7 @@ from typing import Any, TypeVar
 import grpc
 import pytest
 
+from ringq.errors import RingqError
 from ringq.group import GroupMembership
 from ringq.internal.v1 import peer_pb2, peer_pb2_grpc
 from ringq.v1 import group_pb2, group_pb2_grpc
@@ -89,7 +90,7 @@ class Recorder:
         self.next_seq = {publisher: seq + 1 for publisher, seq in membership.joined.start_after.items()}
         self.payloads: dict[str, list[bytes]] = {}
         self.errors: list[str] = []
-        self.failure: grpc.aio.AioRpcError | None = None
+        self.failure: RingqError | None = None
         self._task = asyncio.ensure_future(self._run())
 
     async def _run(self) -> None:
@@ -103,7 +104,7 @@ class Recorder:
                     self.errors.append(f"{delivery.publisher}#{delivery.first_seq} delivered, expected #{expected}")
                 self.payloads.setdefault(delivery.publisher, []).extend(delivery.payloads)
                 self.next_seq[delivery.publisher] = delivery.first_seq + len(delivery.payloads)
-        except grpc.aio.AioRpcError as error:
+        except RingqError as error:
             self.failure = error
 
     def of(self, publisher: str) -> list[bytes]:

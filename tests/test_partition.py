@@ -45,6 +45,7 @@ import grpc
 import pytest
 
 from ringq import aio
+from ringq.errors import RingqError
 from ringq.internal.v1 import coordinator_pb2, coordinator_pb2_grpc
 from ringq.v1 import cluster_pb2, queue_pb2
 from tests import netns
@@ -95,10 +96,10 @@ def _write_json(path: Path, value: object) -> None:
 
 async def _status(address: str) -> queue_pb2.QueueInfo | None:
     """QueueStatus through one node, without retries elsewhere; None if it does not answer in time."""
-    connection = aio.Connection([address], retry_for=0.0, call_timeout=1.0)
+    connection = aio.Connection([address], retry_for=0.0, call_timeout=1.0, connect_timeout=1.0)
     try:
         return await connection.queue_status(QUEUE)
-    except grpc.aio.AioRpcError:
+    except RingqError:
         return None
     finally:
         await connection.close()

@@ -133,25 +133,27 @@ def test_closing_a_consumer_applies_its_acks_first(sdk_cluster: cluster.ClusterI
     asyncio.run(scenario())
 
 
-def test_errors_are_grpc_statuses(sdk_cluster: cluster.ClusterInfo) -> None:
+def test_errors_are_ringq_errors(sdk_cluster: cluster.ClusterInfo) -> None:
     with ringq.Connection(_addresses(sdk_cluster), retry_for=2.0) as connection:
-        with pytest.raises(grpc.aio.AioRpcError) as unknown:
+        with pytest.raises(ringq.errors.NotFound) as unknown:
             connection.queue_status("no.such.queue")
-        assert unknown.value.code() == grpc.StatusCode.NOT_FOUND
+        assert unknown.value.code == grpc.StatusCode.NOT_FOUND
+        assert "no.such.queue" in str(unknown.value) and "\n" not in str(unknown.value), "one line, naming it"
+        assert not isinstance(unknown.value, grpc.RpcError)
         connection.declare_queue("ha.args", arguments={"x-single-active-consumer": True})
-        with pytest.raises(grpc.aio.AioRpcError) as redeclared:
+        with pytest.raises(ringq.errors.PreconditionFailed) as redeclared:
             connection.declare_queue("ha.args", durable=True)
-        assert redeclared.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert redeclared.value.code == grpc.StatusCode.FAILED_PRECONDITION
         connection.producer("ha.args").publish(b"x")
         consumer = connection.consumer("ha.args", prefetch=1)
         delivery = consumer.next(timeout=10)
         assert delivery is not None
         delivery.delivery_tag += 1000  # a tag the queue never gave: the stream fails with a clear status
         delivery.ack()
-        with pytest.raises(grpc.aio.AioRpcError) as refused:
+        with pytest.raises(ringq.errors.PreconditionFailed) as refused:
             consumer.next(timeout=10)
-        assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-        assert "unknown delivery tag" in (refused.value.details() or "")
+        assert refused.value.code == grpc.StatusCode.FAILED_PRECONDITION
+        assert "unknown delivery tag" in refused.value.details
 
 
 def test_admin_lists_policies_queues_and_cluster(sdk_cluster: cluster.ClusterInfo) -> None:

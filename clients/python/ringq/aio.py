@@ -50,19 +50,13 @@ from opentelemetry import trace
 from tenacity import AsyncRetrying, retry_if_exception, stop_after_delay, wait_exponential
 
 from ringq import tracing
+from ringq.errors import RingqError, Unavailable, attempts_text, from_rpc_error
 from ringq.history import History
-from ringq.keepalive import CHANNEL_KEEPALIVE
-from ringq.security import TLS, Credentials, aio_channel, authenticated
+from ringq.nodes import Nodes
+from ringq.security import TLS, Credentials, authenticated
 from ringq.transaction import Transaction
 from ringq.v1 import access_pb2, admin_pb2_grpc, cluster_pb2, queue_pb2, queue_pb2_grpc
 
-CHANNEL_OPTIONS = [
-    ("grpc.max_send_message_length", 64 * 1024 * 1024),
-    ("grpc.max_receive_message_length", 64 * 1024 * 1024),
-    ("grpc.initial_reconnect_backoff_ms", 50),
-    ("grpc.max_reconnect_backoff_ms", 1000),
-    *CHANNEL_KEEPALIVE,  # a node cut off by a partition is left within seconds, not minutes
-]
 RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.ABORTED)
 # A stream the broker ended while we were still writing to it reports INTERNAL
 # ("Failed execute_batch") rather than the broker's status: retry it too.
@@ -93,6 +87,7 @@ def _stream_broke(connection: Connection, error: grpc.aio.AioRpcError, progresse
     caller opens a new stream with a fresh retry budget."""
     if error.code() not in STREAM_RETRYABLE or not progressed:
         raise error
+    connection.nodes.note(connection.address, error)
     connection.failed()
 
 
@@ -114,11 +109,14 @@ _OUTCOMES = {
 class Connection:
     """A connection to a ringq cluster through any of its nodes.
 
-    `retry_for`: how long calls and streams keep retrying through a failover
-    without progress before giving up. `history`: a file to record this
-    client's events in (docs/observability.md), default $RINGQ_HISTORY.
-    `tls`: reach the nodes over TLS (`ringq.TLS(ca="ca.pem")`); None: plaintext.
-    `credentials`: the user to act as (`ringq.Credentials("alice", "secret")`), needed with TLS.
+    `connect_timeout`: until some node has accepted a connection, how long the first call, publish or
+    consume dials every address before failing with `ringq.errors.ConnectionFailed` (naming each address
+    and why). `retry_for`: once a node has been reached, how long calls and streams keep retrying through
+    a failover without progress before failing with `ringq.errors.Unavailable`. `call_timeout`: seconds
+    per attempt of a unary call. `history`: a file to record this client's events in
+    (docs/observability.md), default $RINGQ_HISTORY. `tls`: reach the nodes over TLS
+    (`ringq.TLS(ca="ca.pem")`); None: plaintext. `credentials`: the user to act as
+    (`ringq.Credentials("alice", "secret")`), needed with TLS. Every failure is a `ringq.errors.RingqError`.
     """
 
     def __init__(
@@ -130,21 +128,19 @@ class Connection:
         history: str | None = None,
         retry_for: float = 30.0,
         call_timeout: float = 10.0,
+        connect_timeout: float = 5.0,
         tls: TLS | None = None,
         credentials: Credentials | None = None,
     ) -> None:
-        self.addresses = [addresses] if isinstance(addresses, str) else list(addresses)
+        self.nodes = Nodes(addresses, tls=tls, connect_timeout=connect_timeout)
+        self.addresses = self.nodes.addresses
         self.tls = tls
         self.credentials = credentials
-        if not self.addresses:
-            raise ValueError("a connection needs at least one node address")
         self.vhost = vhost
         self.name = name or f"client-{uuid.uuid4().hex[:8]}"
         self.history = History(history, self.name)
         self.retry_for = retry_for
         self.call_timeout = call_timeout
-        self._channels: dict[str, grpc.aio.Channel] = {}
-        self._current = 0
         self._closing: list[Callable[[], Awaitable[None]]] = []
         tracing.configure("ringq-client", self.name)
 
@@ -159,22 +155,42 @@ class Connection:
     @property
     def address(self) -> str:
         """The node this connection talks to now."""
-        return self.addresses[self._current]
+        return self.nodes.address
 
     def stub(self) -> Any:  # grpc's stubs type aio calls as sync ones
-        channel = self._channels.get(self.address)
-        if channel is None:
-            channel = self._channels[self.address] = aio_channel(self.address, self.tls, CHANNEL_OPTIONS)
-        return authenticated(queue_pb2_grpc.QueueServiceStub(channel), self.credentials)
+        return authenticated(queue_pb2_grpc.QueueServiceStub(self.nodes.channel()), self.credentials)
 
     def failed(self) -> None:
         """The current node did not answer: use the next one."""
-        self._current = (self._current + 1) % len(self.addresses)
+        self.nodes.next()
+
+    async def reach(self) -> None:
+        """Return once a node has accepted a connection (at once after the first time); ConnectionFailed
+        if none does within `connect_timeout` seconds."""
+        await self.nodes.reach()
+
+    def error(self, error: grpc.RpcError, retried: tuple[grpc.StatusCode, ...] = STREAM_RETRYABLE) -> RingqError:
+        """The RingqError for a call or stream that failed with `error` at the current node: Unavailable
+        (naming every address tried) when its code is one of those `retried` (the retries ran out)."""
+        if isinstance(error, grpc.aio.AioRpcError) and error.code() in retried:
+            self.nodes.note(self.address, error)
+            attempts = self.nodes.attempts()
+            return Unavailable(
+                f"{error.code().name} after retrying for {self.retry_for:g} s: {attempts_text(attempts)}",
+                code=error.code(),
+                details=error.details() or "",
+                address=self.address,
+                attempts=attempts,
+            )
+        return from_rpc_error(error, self.address)
 
     def retrying(self, codes: tuple[grpc.StatusCode, ...] = RETRYABLE) -> AsyncRetrying:
         """The bounded retry policy: exponential backoff from 50 ms to 1 s, for `retry_for` seconds."""
 
-        async def next_node(_: Any) -> None:
+        async def next_node(state: Any) -> None:
+            failure = state.outcome.exception() if state.outcome is not None else None
+            if failure is not None:
+                self.nodes.note(self.address, failure)
             self.failed()
 
         return AsyncRetrying(
@@ -189,10 +205,17 @@ class Connection:
         return queue_pb2.QueueRef(vhost=self.vhost, queue=queue)
 
     async def call(self, method: str, request: Any) -> Any:
-        """A unary QueueService call, retried on other nodes while the cluster is in transition."""
-        async for attempt in self.retrying():
-            with attempt:
-                return await getattr(self.stub(), method)(request, timeout=self.call_timeout)
+        """A unary QueueService call, retried on other nodes while the cluster is in transition; a
+        RingqError if it fails."""
+        await self.nodes.reach()
+        try:
+            async for attempt in self.retrying():
+                with attempt:
+                    response = await getattr(self.stub(), method)(request, timeout=self.call_timeout)
+                    self.nodes.answered(self.address)
+                    return response
+        except grpc.aio.AioRpcError as error:
+            raise self.error(error, RETRYABLE) from None
         raise AssertionError("unreachable")
 
     # ------------------------------------------------------------- queues
@@ -285,9 +308,7 @@ class Connection:
             with contextlib.suppress(Exception):
                 await close()
         self._closing.clear()
-        for channel in self._channels.values():
-            await channel.close(None)
-        self._channels.clear()
+        await self.nodes.close()
         self.history.close()
 
 
@@ -403,11 +424,14 @@ class Producer:
     async def _run(self) -> None:
         """Keep a publish stream open while messages are unconfirmed; fail them when retries run out."""
         try:
+            await self.connection.reach()
             while self._unconfirmed:
                 async for attempt in self.connection.retrying(STREAM_RETRYABLE):
                     with attempt:
                         await self._stream()
         except grpc.aio.AioRpcError as error:
+            self._fail_all(self.connection.error(error))
+        except RingqError as error:
             self._fail_all(error)
 
     async def _stream(self) -> None:
@@ -466,15 +490,15 @@ class Producer:
         if not pending.future.done():
             pending.future.set_result(outcome)
 
-    def _fail_all(self, error: grpc.aio.AioRpcError) -> None:
+    def _fail_all(self, error: RingqError) -> None:
         history = self.connection.history
         for seq, pending in sorted(self._unconfirmed.items()):
             self._room.release()
             if pending.span is not None:
-                pending.span.set_status(trace.StatusCode.ERROR, str(error.code()))
+                pending.span.set_status(trace.StatusCode.ERROR, str(error.code))
                 pending.span.end()
             if history.on:
-                history.record("nack", queue=self.queue, publisher=self.scoped_id, seq=seq, error=str(error.code()))
+                history.record("nack", queue=self.queue, publisher=self.scoped_id, seq=seq, error=str(error.code))
             if not pending.future.done():
                 pending.future.set_exception(error)
         self._unconfirmed.clear()
@@ -660,11 +684,14 @@ class Consumer:
 
     async def _run(self) -> None:
         try:
+            await self.connection.reach()
             while not self._closing:
                 async for attempt in self.connection.retrying(STREAM_RETRYABLE):
                     with attempt:
                         await self._consume()
         except grpc.aio.AioRpcError as error:
+            self._deliveries.put_nowait(self.connection.error(error))
+        except RingqError as error:
             self._deliveries.put_nowait(error)
 
     async def _consume(self) -> None:
@@ -737,8 +764,10 @@ class Admin:
     admin = Admin(["127.0.0.1:7101", "127.0.0.1:7102"])
     await admin.set_policy("ha-two", "^ha\\.", {"ha-mode": "exactly", "ha-params": 2})
 
-    Each call goes to the first node that answers, in the order given. `tls` and `credentials` as for
-    `Connection`.
+    Each call goes to the node that answered last (at first, the first to accept a connection), then to
+    the others in the order given while they answer UNAVAILABLE. `timeout`: seconds per attempt;
+    `connect_timeout`, `tls` and `credentials` as for `Connection`. Every failure is a
+    `ringq.errors.RingqError` (`Unavailable` naming each node when none answered).
     """
 
     def __init__(
@@ -747,17 +776,16 @@ class Admin:
         *,
         vhost: str = "/",
         timeout: float = 5.0,
+        connect_timeout: float = 5.0,
         tls: TLS | None = None,
         credentials: Credentials | None = None,
     ) -> None:
-        self.addresses = [nodes] if isinstance(nodes, str) else list(nodes)
-        if not self.addresses:
-            raise ValueError("Admin needs at least one node address")
+        self.nodes = Nodes(nodes, tls=tls, connect_timeout=connect_timeout)
+        self.addresses = self.nodes.addresses
         self.vhost = vhost
         self.timeout = timeout
         self.tls = tls
         self.credentials = credentials
-        self._channels: dict[str, grpc.aio.Channel] = {}
 
     async def __aenter__(self) -> Admin:
         return self
@@ -766,20 +794,31 @@ class Admin:
         await self.close()
 
     async def _call(self, method: str, request: Any) -> Any:
+        nodes = self.nodes
+        await nodes.reach()
         last: grpc.aio.AioRpcError | None = None
-        for address in self.addresses:
-            channel = self._channels.get(address)
-            if channel is None:
-                channel = self._channels[address] = aio_channel(address, self.tls, CHANNEL_KEEPALIVE)
-            stub = authenticated(admin_pb2_grpc.AdminServiceStub(channel), self.credentials)
+        for _ in nodes.addresses:
+            address = nodes.address
+            stub = authenticated(admin_pb2_grpc.AdminServiceStub(nodes.channel(address)), self.credentials)
             try:
-                return await getattr(stub, method)(request, timeout=self.timeout)
+                response = await getattr(stub, method)(request, timeout=self.timeout)
             except grpc.aio.AioRpcError as error:
                 if error.code() not in RETRYABLE:
-                    raise
+                    raise from_rpc_error(error, address) from None
+                nodes.note(address, error)
+                nodes.next()
                 last = error
+            else:
+                nodes.answered(address)
+                return response
         assert last is not None
-        raise last
+        attempts = nodes.attempts()
+        raise Unavailable(
+            f"no node answered {method}: {attempts_text(attempts)}",
+            code=last.code(),
+            details=last.details() or "",
+            attempts=attempts,
+        )
 
     async def set_policy(
         self, name: str, pattern: str, definition: Mapping[str, Any], *, priority: int = 0, apply_to: str = "queues"
@@ -856,6 +895,4 @@ class Admin:
         return list(response.permissions)
 
     async def close(self) -> None:
-        for channel in self._channels.values():
-            await channel.close(None)
-        self._channels.clear()
+        await self.nodes.close()

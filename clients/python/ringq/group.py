@@ -2,7 +2,8 @@
 
 A `GroupMembership` is one member of a group, hosted by the node it called.
 Events (deliveries, membership changes) arrive in the member's order through
-`events()`; `broadcast()` sends to every member, the sender included.
+`events()`; `broadcast()` sends to every member, the sender included. Failures
+are `ringq.errors.RingqError`s, as in the rest of the SDK.
 
     membership = await GroupMembership.join("127.0.0.1:7101", "orders")
     await membership.broadcast([b"hello"], confirmed=True)
@@ -18,6 +19,7 @@ from typing import Any
 
 import grpc
 
+from ringq.errors import from_rpc_error
 from ringq.security import TLS, Credentials, aio_channel, authenticated
 from ringq.v1 import group_pb2, group_pb2_grpc
 
@@ -31,13 +33,19 @@ class GroupMembership:
     """One member of a group; create it with `await GroupMembership.join(...)`."""
 
     def __init__(
-        self, channel: grpc.aio.Channel, call: Any, joined: group_pb2.Joined, credentials: Credentials | None = None
+        self,
+        channel: grpc.aio.Channel,
+        call: Any,
+        joined: group_pb2.Joined,
+        credentials: Credentials | None = None,
+        address: str | None = None,
     ) -> None:
         self._channel = channel
         self._call = call
         self._stub = authenticated(group_pb2_grpc.GroupServiceStub(channel), credentials)
         self.joined = joined
         self.member_id = joined.member
+        self.address = address
 
     @classmethod
     async def join(
@@ -55,25 +63,33 @@ class GroupMembership:
         call: Any = stub.Join(group_pb2.JoinRequest(group=group))
         try:
             first: Any = await asyncio.wait_for(call.read(), timeout)
-        except BaseException:
+        except BaseException as error:
             call.cancel()
             await channel.close(None)
+            if isinstance(error, grpc.RpcError):
+                raise from_rpc_error(error, address) from None
             raise
         if first is grpc.aio.EOF or first.WhichOneof("kind") != "joined":  # type: ignore[attr-defined]
             await channel.close(None)
             raise ConnectionError(f"joining {group} at {address} did not start with Joined")
-        return cls(channel, call, first.joined, credentials)
+        return cls(channel, call, first.joined, credentials, address)
 
     async def broadcast(self, payloads: list[bytes], confirmed: bool = False) -> tuple[int, int]:
         """Broadcast `payloads`; returns their first and last sequence numbers."""
         request = group_pb2.BroadcastRequest(member=self.member_id, payloads=payloads, confirmed=confirmed)
-        response = await self._stub.Broadcast(request)
+        try:
+            response = await self._stub.Broadcast(request)
+        except grpc.RpcError as error:
+            raise from_rpc_error(error, self.address) from None
         return response.first_seq, response.last_seq
 
     async def events(self) -> AsyncIterator[group_pb2.JoinResponse]:
         """The member's events after Joined, until it leaves or its node fails."""
         while True:
-            event: Any = await self._call.read()
+            try:
+                event: Any = await self._call.read()
+            except grpc.RpcError as error:
+                raise from_rpc_error(error, self.address) from None
             if event is grpc.aio.EOF:  # type: ignore[attr-defined]
                 return
             yield event
@@ -82,6 +98,8 @@ class GroupMembership:
         """Leave the group gracefully."""
         try:
             await self._stub.Leave(group_pb2.LeaveRequest(member=self.member_id))
+        except grpc.RpcError as error:
+            raise from_rpc_error(error, self.address) from None
         finally:
             await self.close()
 

@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 from types import TracebackType
 from typing import TYPE_CHECKING
 
+import grpc
+
 from ringq.v1 import queue_pb2
 
 if TYPE_CHECKING:
@@ -107,8 +109,13 @@ class Transaction:
         if request.settlements:
             # Not retried: delivery tags belong to the consumer's stream, and after a failover the same tag
             # names another delivery. A commit that fails here was applied whole or not at all.
-            call = connection.stub().Commit(request, timeout=connection.call_timeout)
-            response: queue_pb2.CommitResponse = await call
+            await connection.reach()
+            try:
+                response: queue_pb2.CommitResponse = await connection.stub().Commit(
+                    request, timeout=connection.call_timeout
+                )
+            except grpc.aio.AioRpcError as error:
+                raise connection.error(error, retried=()) from None
         else:
             response = await connection.call("Commit", request)  # publishes only: a retry adds nothing twice
         if self.consumer is not None:
