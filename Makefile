@@ -34,6 +34,8 @@ $(VENV)/.stamp-install: pyproject.toml setup.py clients/python/pyproject.toml cl
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -e './clients/python[server,pipeline]' -e '.[pipeline,dev]'
+	@# ringq.egg-info here is the one distribution before the split: it would shadow ringq's metadata.
+	rm -rf ringq.egg-info
 	touch $@
 
 setup: $(VENV)/.stamp-install protos
