@@ -167,3 +167,38 @@ def test_admin_lists_policies_queues_and_cluster(sdk_cluster: cluster.ClusterInf
         assert "ha.blocking" in {q.name for q in admin.list_queues()}  # declared by the first test
     finally:
         admin.close()
+
+
+def test_producers_and_consumers_are_context_managers(sdk_cluster: cluster.ClusterInfo) -> None:
+    """Leaving a producer's block flushes it (every send confirmed) and ends its stream; leaving a consumer's
+    applies its acks and cancels it, also when the block raises; the connection has nothing left to close."""
+    with ringq.Connection(_addresses(sdk_cluster)) as connection:
+        connection.declare_queue("ha.ctx")
+        with connection.producer("ha.ctx", window=10) as producer:
+            futures = [producer.send(b"%d" % i) for i in range(50)]
+        assert all(f.done() and f.result() is ringq.Outcome.CONFIRMED for f in futures), "flushed on leaving"
+        with connection.consumer("ha.ctx", prefetch=50) as consumer:
+            for n, delivery in enumerate(consumer, 1):
+                assert delivery.ack()
+                if n == 50:
+                    break
+        status = connection.queue_status("ha.ctx")
+        assert (status.depth, status.consumers) == (0, 0), "acks applied, consumer gone"
+        assert not connection.aio._closing, "closed producers and consumers are not closed again"
+
+    async def scenario() -> None:
+        async with aio.Connection(_addresses(sdk_cluster)) as connection:
+            async with connection.producer("ha.ctx") as producer:
+                await producer.send(b"a")
+                await producer.send(b"b")
+            assert producer.unconfirmed == 0
+            with pytest.raises(RuntimeError, match="while processing"):
+                async with connection.consumer("ha.ctx", prefetch=1) as consumer:
+                    first = await anext(aiter(consumer))
+                    assert first.ack()
+                    raise RuntimeError("failed while processing")
+            status = await connection.queue_status("ha.ctx")
+            assert (status.depth, status.consumers) == (1, 0), "the ack went out before the consumer closed"
+            assert not connection._closing
+
+    asyncio.run(scenario())

@@ -291,23 +291,30 @@ class Connection:
         batch: int = 100,
         persistent: bool = False,
     ) -> Producer:
-        """A producer for `queue`. `persistent` messages of durable queues are on disk when confirmed."""
+        """A producer for `queue`. `persistent` messages of durable queues are on disk when confirmed.
+        Close it (`async with connection.producer(queue) as producer:`), or the connection does."""
         producer = Producer(self, queue, publisher_id or uuid.uuid4().hex, window, batch, persistent)
         self._closing.append(producer.close)
         return producer
 
     def consumer(self, queue: str, *, prefetch: int = 100, priority: int = 0, consumer_tag: str = "") -> Consumer:
-        """A consumer of `queue` (starts when first iterated or `start`ed)."""
+        """A consumer of `queue` (starts when first iterated or `start`ed). Close it (`async with
+        connection.consumer(queue) as consumer:`), or the connection does."""
         consumer = Consumer(self, queue, prefetch, priority, consumer_tag)
         self._closing.append(consumer.close)
         return consumer
 
+    def _closed(self, close: Callable[[], Awaitable[None]]) -> None:
+        """A producer or consumer closed itself: the connection has nothing more to close for it."""
+        with contextlib.suppress(ValueError):
+            self._closing.remove(close)
+
     async def close(self) -> None:
         """Flush producers, cancel consumers, close the channels."""
-        for close in reversed(self._closing):
+        closing, self._closing = self._closing, []
+        for close in reversed(closing):
             with contextlib.suppress(Exception):
                 await close()
-        self._closing.clear()
         await self.nodes.close()
         self.history.close()
 
@@ -410,7 +417,7 @@ class Producer:
         await self._idle.wait()
 
     async def close(self) -> None:
-        """Flush, then end the stream."""
+        """Flush (every message sent so far is confirmed or failed), then end the stream; idempotent."""
         await self.flush()
         self._closing = True
         self._wake.set()
@@ -418,6 +425,13 @@ class Producer:
             self._runner.cancel()
             with contextlib.suppress(asyncio.CancelledError, grpc.aio.AioRpcError):
                 await self._runner
+        self.connection._closed(self.close)
+
+    async def __aenter__(self) -> Producer:
+        return self
+
+    async def __aexit__(self, *_: object) -> None:
+        await self.close()
 
     # ----------------------------------------------------------- the stream
 
@@ -672,6 +686,13 @@ class Consumer:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._runner
         self._deliveries.put_nowait(None)
+        self.connection._closed(self.close)
+
+    async def __aenter__(self) -> Consumer:
+        return self
+
+    async def __aexit__(self, *_: object) -> None:
+        await self.close()
 
     def _attributes(self, delivery: Delivery) -> dict[str, Any]:
         return {

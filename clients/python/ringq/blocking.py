@@ -125,10 +125,18 @@ class Producer:
         return _run(self.aio.publish_many(bodies, **options))
 
     def flush(self) -> None:
+        """Wait until every message sent so far is confirmed (or failed)."""
         _run(self.aio.flush())
 
     def close(self) -> None:
+        """Flush, then end the stream; idempotent."""
         _run(self.aio.close())
+
+    def __enter__(self) -> Producer:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.close()
 
 
 def _copy(done: asyncio.Future[Outcome], result: concurrent.futures.Future[Outcome]) -> None:
@@ -165,7 +173,15 @@ class Consumer:
             callback(delivery)
 
     def close(self) -> None:
+        """Send the settlements made so far, then cancel the consumer (the queue requeues what was not
+        settled); idempotent."""
         _run(self.aio.close())
+
+    def __enter__(self) -> Consumer:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.close()
 
 
 class Admin:
