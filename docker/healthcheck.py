@@ -1,18 +1,21 @@
-"""The image's HEALTHCHECK: does the ringq coordinator or node in this container accept gRPC connections?
+"""The image's HEALTHCHECK: is the ringq coordinator or node in this container healthy?
 
     python /opt/ringq/healthcheck.py [HOST:PORT]
 
-The address is the argument, else $RINGQ_HEALTHCHECK_ADDRESS, else the `--listen` of the ringq process
-running in this container (read from /proc), with a wildcard host (0.0.0.0, ::) replaced by loopback.
-Exit 0 once an HTTP/2 connection to it is up within TIMEOUT_SECONDS; otherwise exit 1 with one line on
-stderr, which Docker keeps in the health log (`docker inspect --format '{{json .State.Health}}' NAME`).
+When the ringq process running in this container (read from /proc) has `--health-listen`, the answer is
+its gRPC health service's there (services/health_probe.py): healthy while SERVING, that is a coordinator
+that reaches its store, a node registered, joined and not draining (docs/observability.md, Health).
+docker/compose.yaml gives every member a health port and asks `python -m services.health_probe` itself.
 
-With TLS (the process runs with --tls-ca, --tls-cert and --tls-key), the probe completes a TLS
-handshake with the process's own certificate, so it works on a coordinator's port too, which takes
-only cluster members. What it proves: the gRPC server is listening and speaks HTTP/2 (over TLS).
-What it does not: that a node has registered with the coordinator or joined its rings (a node serves
-first and then waits for the coordinator for as long as it takes, so an unhealthy node would only
-hide a coordinator outage).
+Otherwise (no --health-listen, or an address given as the argument or $RINGQ_HEALTHCHECK_ADDRESS), a
+connection check of that address, else of the process's `--listen`: healthy once an HTTP/2 connection is
+up within TIMEOUT_SECONDS. A wildcard host (0.0.0.0, ::) is replaced by loopback. With TLS (the process
+runs with --tls-ca, --tls-cert and --tls-key), that check completes a TLS handshake with the process's
+own certificate, so it works on a coordinator's port too, which takes only cluster members; it proves
+the gRPC server is listening and speaks HTTP/2, not that a node has registered or joined.
+
+Exit 0 when healthy; otherwise exit 1 with one line on stderr, which Docker keeps in the health log
+(`docker inspect --format '{{json .State.Health}}' NAME`).
 """
 
 from __future__ import annotations
@@ -29,14 +32,15 @@ ADDRESS_VARIABLE = "RINGQ_HEALTHCHECK_ADDRESS"
 _WILDCARD_HOSTS = ("0.0.0.0", "::", "[::]", "")
 
 
-def listen_address(command_lines: Iterable[Sequence[str]]) -> str | None:
-    """The first `--listen HOST:PORT` (or `--listen=HOST:PORT`) in `command_lines`, a wildcard host made loopback."""
+def listen_address(command_lines: Iterable[Sequence[str]], flag: str = "--listen") -> str | None:
+    """The first `--listen HOST:PORT` (or `--listen=HOST:PORT`; or `flag`'s) in `command_lines`, a wildcard
+    host made loopback."""
     for argv in command_lines:
         for position, argument in enumerate(argv):
-            if argument == "--listen" and position + 1 < len(argv):
+            if argument == flag and position + 1 < len(argv):
                 address = argv[position + 1]
-            elif argument.startswith("--listen="):
-                address = argument.removeprefix("--listen=")
+            elif argument.startswith(f"{flag}="):
+                address = argument.removeprefix(f"{flag}=")
             else:
                 continue
             host, _, port = address.rpartition(":")
@@ -98,14 +102,21 @@ def probe(address: str, timeout: float = TIMEOUT_SECONDS, tls: tuple[str, str, s
 
 def main(argv: Sequence[str]) -> int:
     lines = process_command_lines()
-    address = argv[0] if argv else os.environ.get(ADDRESS_VARIABLE) or listen_address(lines)
-    if address is None:
+    given = argv[0] if argv else os.environ.get(ADDRESS_VARIABLE)
+    health = None if given else listen_address(lines, "--health-listen")
+    address = given or listen_address(lines)
+    if health is not None:
+        from services.health_probe import problem as health_problem  # ringq-server, in the image's venv
+
+        problem = health_problem(health, timeout=TIMEOUT_SECONDS)
+    elif address is None:
         print(f"healthcheck: no process with --listen here; give HOST:PORT or set ${ADDRESS_VARIABLE}", file=sys.stderr)
         return 1
-    try:
-        problem = probe(address, tls=tls_files(lines))
-    except OSError as error:
-        problem = f"cannot read the TLS files: {error}"
+    else:
+        try:
+            problem = probe(address, tls=tls_files(lines))
+        except OSError as error:
+            problem = f"cannot read the TLS files: {error}"
     if problem is not None:
         print(f"healthcheck: {problem}", file=sys.stderr)
         return 1

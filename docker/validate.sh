@@ -12,7 +12,7 @@
 #    ringq-server wheels, each generating its code) and the broker-deps/broker-venv stages
 #    (docker/requirements.py, pip install) into a fresh venv, then `pip check`, an import of every module
 #    of services and ringq, and a coordinator and a node started from that venv on 127.0.0.1, probed with
-#    docker/healthcheck.py and ringqctl.
+#    docker/healthcheck.py, their health ports with python -m services.health_probe, and ringqctl.
 set -euo pipefail
 
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -90,21 +90,31 @@ for name in names:
 print(f"imported {len(names)} modules of services and ringq")')
 "$venv/bin/ringq" --help >/dev/null
 "$venv/bin/ringqctl" --help >/dev/null
-# a coordinator and a node from that venv, as the compose file starts them, on loopback
+# a coordinator and a node from that venv, as the compose file starts them (with a health port each), on loopback
 mkdir -p "$work/run/data"
+read -r coordinator_health node_health < <("$venv/bin/python" -c 'import socket
+held = [socket.socket() for _ in range(2)]
+for s in held:
+    s.bind(("127.0.0.1", 0))
+print(*(f"127.0.0.1:{s.getsockname()[1]}" for s in held))')
 (cd "$work/run" && exec "$venv/bin/ringq" coordinator --listen 127.0.0.1:0 --db "$work/run/data/coordinator.db" \
-  --ready-file "$work/run/coordinator.addr" >"$work/run/coordinator.log" 2>&1) &
+  --ready-file "$work/run/coordinator.addr" --health-listen "$coordinator_health" >"$work/run/coordinator.log" 2>&1) &
 pids+=($!)
 for _ in $(seq 100); do [ -s "$work/run/coordinator.addr" ] && break; sleep 0.1; done
 coordinator=$(cat "$work/run/coordinator.addr")
 (cd "$work/run" && exec "$venv/bin/ringq" node --id node1 --listen 127.0.0.1:0 --coordinator "$coordinator" \
-  --ready-file "$work/run/node1.addr" >"$work/run/node1.log" 2>&1) &
+  --ready-file "$work/run/node1.addr" --health-listen "$node_health" >"$work/run/node1.log" 2>&1) &
 pids+=($!)
 for _ in $(seq 100); do [ -s "$work/run/node1.addr" ] && break; sleep 0.1; done
 node=$(cat "$work/run/node1.addr")
 "$venv/bin/python" "$here/healthcheck.py" "$coordinator"
 "$venv/bin/python" "$here/healthcheck.py" "$node"
 echo "healthcheck.py: coordinator $coordinator and node $node healthy"
+for health in "$coordinator_health" "$node_health"; do  # SERVING once the node has joined: ask a few times
+  for _ in $(seq 50); do "$venv/bin/python" -m services.health_probe "$health" 2>/dev/null && break; sleep 0.1; done
+  "$venv/bin/python" -m services.health_probe "$health"
+done
+echo "health_probe: coordinator $coordinator_health and node $node_health SERVING"
 status=$("$venv/bin/ringqctl" --node "$node" --json cluster_status)
 grep -q '"node1"' <<<"$status" || { echo "node1 did not register: $status" >&2; exit 1; }
 echo "ringqctl cluster_status lists node1"

@@ -619,6 +619,10 @@ def test_healthcheck_finds_the_listen_address() -> None:
     assert healthcheck.listen_address([["ringq", "node", "--listen", "[::]:7101"]]) == "127.0.0.1:7101"
     assert healthcheck.listen_address([["ringqctl", "cluster_status"], ["ringq", "--listen"]]) is None
     assert all(isinstance(line, list) for line in healthcheck.process_command_lines())
+    # A process with a health port is asked there (its health service) rather than at --listen.
+    with_health = [[*lines[1], "--health-listen", "0.0.0.0:7199"]]
+    assert healthcheck.listen_address(with_health, "--health-listen") == "127.0.0.1:7199"
+    assert healthcheck.listen_address(lines, "--health-listen") is None
 
 
 def test_healthcheck_probes_a_grpc_server() -> None:
@@ -691,8 +695,11 @@ def test_nodes_point_at_the_coordinator_and_the_collector(compose: dict[str, Any
     coordinator = commands["coordinator"]
     assert coordinator.command == "coordinator" and coordinator.store == "sqlite"
     assert coordinator.listen == f"{services['coordinator']['hostname']}:7000"
+    # Health checks ask each member's health service, on its plaintext --health-listen port (loopback in
+    # the member's own container).
     health = _strings(services["coordinator"]["healthcheck"]["test"], "coordinator.healthcheck.test")
-    assert health == ["CMD", "python", "/opt/ringq/healthcheck.py", coordinator.listen]
+    assert health == ["CMD", "python", "-m", "services.health_probe", coordinator.health_listen]
+    assert coordinator.health_listen.startswith("127.0.0.1:")
     db_directory = posixpath.dirname(coordinator.db)
     assert _volume_mounts(services["coordinator"]).get(db_directory) == "coordinator-data"
     endpoint = f"http://otel-collector:{_otlp_grpc_port(collector)}"
@@ -704,6 +711,9 @@ def test_nodes_point_at_the_coordinator_and_the_collector(compose: dict[str, Any
         assert node.listen.rpartition(":")[0] == service["hostname"] == name
         assert node.coordinator == coordinator.listen
         assert service["depends_on"]["coordinator"] == {"condition": "service_healthy"}
+        health = _strings(service["healthcheck"]["test"], f"{name}.healthcheck.test")
+        assert health == ["CMD", "python", "-m", "services.health_probe", node.health_listen]
+        assert node.health_listen.startswith("127.0.0.1:")
         assert "otel-collector" in service["depends_on"]
         environment = _mapping(service["environment"], f"{name}.environment")
         assert environment["OTEL_EXPORTER_OTLP_ENDPOINT"] == endpoint
