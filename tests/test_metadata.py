@@ -334,3 +334,11 @@ def test_a_queue_without_a_bound_of_its_own_gets_the_default_one() -> None:
     assert len(mirrored.mirrors) == len(NODES) - 1, "the bound changes no placement"
     metadata.set_policy(store, Policy("/", "small", "^small", {"max-length": 5}), NODES)
     assert _declare(store, "small.q").policy_definition == {"max-length": 5}
+
+
+def test_a_stream_group_has_exactly_two_replicas_whatever_the_policies_say() -> None:
+    store = MemoryStore()
+    metadata.set_policy(store, Policy("/", "all", ".*", {"ha-mode": "all"}), NODES)
+    group = _declare(store, "stream/orders/1")
+    assert group.policy == "stream-group" and len(group.mirrors) == 1 and group.master not in group.mirrors
+    assert group.policy_definition["ha-min-synchronised"] == 1

@@ -415,6 +415,21 @@ def test_a_mirror_applies_and_logs_a_transaction_as_one_report() -> None:
     assert mark.position is not None and mark.position.seq == 4, "the log's mark names the transaction's report"
 
 
+def test_a_stream_group_takes_no_send_without_a_synchronised_mirror_alive() -> None:
+    """Two copies at every moment (ordered streams): a group whose mirror is gone or not synchronised
+    refuses sends instead of confirming them from one copy."""
+    driven = fresh_master(durable=False)
+    driven.set_record(name="stream/orders/1")
+    with pytest.raises(QueueError) as refused:
+        driven.core.publish([Publish(b"m")], 0)
+    assert refused.value.code == "UNAVAILABLE" and "one copy" in str(refused.value)
+    driven.set_record(synchronised_mirrors=("node2",))
+    driven.core.publish([Publish(b"m")], 0)  # taken
+    driven.run(driven.core.on_members_changed([], ["node2.b"], 0))
+    with pytest.raises(QueueError):
+        driven.core.publish([Publish(b"m")], 0)
+
+
 def test_a_damaged_log_that_wins_is_rewritten_fresh_and_reported() -> None:
     driven = recovered("node1", Position(3, 50), Message(7, b"seven", persistent=True), damaged=True)
     assert any(e.kind == "log_damaged" for e in driven.core.events)

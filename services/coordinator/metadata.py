@@ -32,6 +32,7 @@ from services.coordinator import leases, placement, policies
 from services.coordinator.leases import Lease
 from services.coordinator.policies import Policy
 from services.coordinator.store import Record, Store
+from services.coordinator.stream_groups import GROUP_DEFINITION, is_stream_group
 
 QUEUE = "queue"
 POLICY = "policy"
@@ -255,6 +256,8 @@ def _placed(
     `unproven_nodes` keep the replicas of `queue` they hold but get no new one.
     """
     effective = policies.effective_policy(queue.vhost, queue.name, all_policies)
+    if is_stream_group(queue.name):  # a stream's group: two replicas, whatever the policies say
+        effective = Policy(queue.vhost, "stream-group", "", dict(GROUP_DEFINITION), policies.MAX_PRIORITY)
     definition = with_default_bound(dict(effective.definition) if effective else {})
     if queue.exclusive_owner:  # an exclusive queue is its owner's alone, on one node: never mirrored
         definition = {key: value for key, value in definition.items() if not key.startswith("ha-")}

@@ -21,14 +21,12 @@ from urllib.parse import quote
 from ringq.names import check_name
 from services.coordinator.metadata import Conflict, NotFound, QueueMismatch, retry_until_set
 from services.coordinator.store import Record, Store
+from services.coordinator.stream_groups import group_queue
 from services.coordinator.stream_lists import StreamLists
 
 STREAM = "stream"
 MIN_GROUPS = 2
 MAX_GROUPS = 64
-# Queues of a stream's groups are named STREAM_QUEUE_PREFIX + stream + "/" + number; applications may not
-# declare queues of that prefix (the queue service refuses them).
-STREAM_QUEUE_PREFIX = "stream/"
 
 
 @dataclass(frozen=True)
@@ -46,11 +44,6 @@ class StreamRecord:
 
 def stream_key(vhost: str, name: str) -> str:
     return f"{quote(vhost, safe='')}/{quote(name, safe='')}"
-
-
-def group_queue(stream: str, number: int) -> str:
-    """The queue name of group `number` of `stream`."""
-    return f"{STREAM_QUEUE_PREFIX}{stream}/{number}"
 
 
 def declare_stream(store: Store, vhost: str, name: str, groups: int, durable: bool) -> StreamRecord:

@@ -84,6 +84,7 @@ from typing import Any
 from services.coordinator import queue_arguments
 from services.coordinator.metadata import QueueRecord
 from services.coordinator.policies import min_synchronised
+from services.coordinator.stream_groups import is_stream_group
 from services.queue.contents import QueueContents
 from services.queue.durability import (
     Claim,
@@ -806,6 +807,15 @@ class ReplicaCore:
             raise QueueError("UNAVAILABLE", f"queue {self.record.name!r} has no master on this node ({self.status()})")
         return self.master.core
 
+    def _refuse_unless_two_copies(self) -> None:
+        """A stream's group takes sends only with its mirror synchronised and alive (stream_groups.py)."""
+        if is_stream_group(self.record.name) and not self.synchronised_live():
+            raise QueueError(
+                "UNAVAILABLE",
+                f"stream group {self.record.name!r} has no synchronised mirror alive: it takes no sends, so the "
+                "stream never holds a message in one copy only; its producer moves to the next group",
+            )
+
     def _refuse_persistent_if_disk_failed(self, items: list[Publish]) -> None:
         if self.log is LogState.FAILED and any(item.persistent for item in items):
             raise QueueError(
@@ -817,6 +827,7 @@ class ReplicaCore:
     def publish(self, items: list[Publish], now_ms: int) -> tuple[int, list[PublishOutcome], list[Effect]]:
         master = self._require_master()
         self._refuse_persistent_if_disk_failed(items)
+        self._refuse_unless_two_copies()
         step, outcomes = master.publish(items, now_ms)
         step_id, effects = self._carry_out_step(step, now_ms, publishes=True)
         return step_id, outcomes, effects
@@ -829,6 +840,8 @@ class ReplicaCore:
         publish, once what a confirm promises holds for all of it."""
         master = self._require_master()
         self._refuse_persistent_if_disk_failed(items)
+        if items:
+            self._refuse_unless_two_copies()
         step, outcomes = master.commit(consumer, settlements, items, now_ms)
         step_id, effects = self._carry_out_step(step, now_ms, publishes=True)
         return step_id, outcomes, effects

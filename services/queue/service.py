@@ -37,6 +37,7 @@ from services.coordinator import queue_arguments
 from services.coordinator.client import CoordinatorClient
 from services.coordinator.metadata import QueueRecord
 from services.coordinator.policies import MAX_TTL_MS
+from services.coordinator.stream_groups import STREAM_QUEUE_PREFIX, is_stream_group
 from services.queue.manager import QueueManager
 from services.queue.master import Delivery, PublishOutcome, QueueError, Settlement
 from services.queue.master import Publish as Outgoing
@@ -279,6 +280,8 @@ class QueueServicer(queue_pb2_grpc.QueueServiceServicer):
     ) -> queue_pb2.DeclareQueueResponse:
         ref = request.queue
         problem = _ref_problem(ref)
+        if not problem and is_stream_group(ref.queue):
+            problem = f"queue names starting {STREAM_QUEUE_PREFIX!r} are reserved for the groups of ordered streams"
         if problem:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
         principal = await self.access.allow(context, _vhost(ref), Operation.CONFIGURE, ref.queue)
