@@ -41,7 +41,7 @@ import pytest
 from ringq import aio
 from ringq.errors import RingqError
 from ringq.internal.v1 import queue_replication_pb2
-from ringq.v1 import queue_pb2
+from ringq.models import QueueEvent, QueueStatus
 from services import cluster
 from services import node as node_process
 from services.coordinator.metadata import QueueRecord
@@ -81,12 +81,10 @@ async def until(condition: Callable[[], Awaitable[bool]], seconds: float, what: 
         await asyncio.sleep(period_s)
 
 
-async def watch(
-    connection: aio.Connection, queue: str, seconds: float, period_s: float = 0.2
-) -> list[queue_pb2.QueueInfo]:
+async def watch(connection: aio.Connection, queue: str, seconds: float, period_s: float = 0.2) -> list[QueueStatus]:
     """The queue's status every `period_s` for `seconds`: watching a state that must hold for a while (a full
     disk makes no loop), not waiting for something to happen. A status that meets an error is skipped."""
-    statuses: list[queue_pb2.QueueInfo] = []
+    statuses: list[QueueStatus] = []
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
         with contextlib.suppress(RingqError):
@@ -155,7 +153,7 @@ async def declare_on(info: cluster.ClusterInfo, node: str, queue: str) -> None:
     assert declared.master_node == node, f"{queue} was placed on {declared.master_node}, not {node}"
 
 
-def events_of(status: queue_pb2.QueueInfo, kind: str, node: str | None = None) -> list[queue_pb2.QueueEvent]:
+def events_of(status: QueueStatus, kind: str, node: str | None = None) -> list[QueueEvent]:
     """The queue's recent events of `kind` (from `node`, if given)."""
     return [e for e in status.events if e.kind == kind and (node is None or e.node == node)]
 

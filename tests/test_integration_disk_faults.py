@@ -35,7 +35,6 @@ from pathlib import Path
 
 import grpc
 import pytest
-from google.protobuf import json_format
 
 from ringq import aio
 from ringq.errors import ResourceExhausted
@@ -414,8 +413,7 @@ async def _below_the_disk_free_limit(directory: Path) -> dict[str, float]:
     admin = aio.Admin(info.node_addresses)
 
     async def alarm_on_node1() -> bool:
-        status = json_format.MessageToDict(await admin.cluster_status())
-        return any(n["node"] == "node1" and _alarm(n) for n in status.get("nodes", []))
+        return (await admin.cluster_status()).node("node1").disk_alarm
 
     try:
         await until(alarm_on_node1, 15, "node1's disk alarm in ClusterStatus")

@@ -42,7 +42,8 @@ from google.protobuf.message import Message
 from ringq import aio
 from ringq.errors import RingqError
 from ringq.internal.v1 import coordinator_pb2, coordinator_pb2_grpc
-from ringq.v1 import cluster_pb2, queue_pb2
+from ringq.models import QueueRecord, QueueStatus
+from ringq.v1 import queue_pb2
 from services import cluster
 from tests.clusters import NODE_ARGS, live_cluster
 
@@ -101,7 +102,7 @@ def _connection(info: cluster.ClusterInfo, *names: str, retry_for: float = 30.0)
     return aio.Connection([by_name[name] for name in names], retry_for=retry_for)
 
 
-async def _queue_record(admin: aio.Admin, queue: str) -> cluster_pb2.QueueRecord:
+async def _queue_record(admin: aio.Admin, queue: str) -> QueueRecord:
     (record,) = [record for record in await admin.list_queues() if record.name == queue]
     return record
 
@@ -115,7 +116,7 @@ async def _read_group(coordinator: str, group: str) -> coordinator_pb2.ReadGroup
     return response
 
 
-async def _declared_and_synchronised(connection: aio.Connection, queue: str, durable: bool) -> queue_pb2.QueueInfo:
+async def _declared_and_synchronised(connection: aio.Connection, queue: str, durable: bool) -> QueueStatus:
     """Declare `queue` through the connection's first node (its master) and wait until both mirrors are
     synchronised."""
     await connection.declare_queue(queue, durable=durable)
@@ -293,7 +294,7 @@ def _logged_dead_since(sizes: dict[Path, int], except_members: set[str]) -> list
 
 async def _restart_master_first(
     directory: Path, master: str, ports: dict[str, int], queue: str, messages: int, what: str
-) -> tuple[cluster.ClusterInfo, aio.Connection, queue_pb2.QueueInfo]:
+) -> tuple[cluster.ClusterInfo, aio.Connection, QueueStatus]:
     """SIGKILL every node; start `master`'s node, wait until its replica has said in the record how far its
     log goes (it waits for the replicas the record lists as synchronised before one of them recovers the
     queue), start the others; each node on its port of before. Returns once the queue serves every message

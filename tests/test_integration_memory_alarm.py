@@ -32,7 +32,7 @@ async def _alarm_shown(admin: aio.Admin, on: bool, seconds: float = 10.0) -> boo
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
         (node,) = (await admin.cluster_status()).nodes
-        if node.HasField("memory_used_bytes") and node.memory_alarm == on:
+        if node.memory_used_bytes is not None and node.memory_alarm == on:
             return True
         await asyncio.sleep(0.2)
     return False

@@ -47,7 +47,8 @@ import pytest
 from ringq import aio
 from ringq.errors import RingqError
 from ringq.internal.v1 import coordinator_pb2, coordinator_pb2_grpc
-from ringq.v1 import cluster_pb2, queue_pb2
+from ringq.models import QueueStatus
+from ringq.v1 import cluster_pb2
 from tests import netns
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
@@ -94,7 +95,7 @@ def _write_json(path: Path, value: object) -> None:
     os.replace(tmp, path)
 
 
-async def _status(address: str) -> queue_pb2.QueueInfo | None:
+async def _status(address: str) -> QueueStatus | None:
     """QueueStatus through one node, without retries elsewhere; None if it does not answer in time."""
     connection = aio.Connection([address], retry_for=0.0, call_timeout=1.0, connect_timeout=1.0)
     try:

@@ -35,7 +35,8 @@ def test_blocking_publish_consume_ack_with_history(sdk_cluster: cluster.ClusterI
     history = tmp_path / "history.jsonl"
     with ringq.Connection(_addresses(sdk_cluster), name="sdk-test", history=str(history)) as connection:
         info = connection.declare_queue("ha.blocking")
-        assert info.master_node
+        assert isinstance(info, ringq.models.QueueStatus) and (info.name, info.vhost) == ("ha.blocking", "/")
+        assert info.master_node and info.status.startswith("running") and info.depth == 0
         producer = connection.producer("ha.blocking", window=50, batch=20, publisher_id="p1")
         confirmed: list[ringq.Outcome] = []
         lock = threading.Lock()
@@ -160,11 +161,17 @@ def test_admin_lists_policies_queues_and_cluster(sdk_cluster: cluster.ClusterInf
     admin = ringq.Admin(sdk_cluster.node_addresses)
     try:
         admin.set_policy("ttl", "^ttl\\.", {"message-ttl": 1000}, priority=2)
-        assert {p.name for p in admin.list_policies()} >= {"ha", "ttl"}
+        policies = {p.name: p for p in admin.list_policies()}
+        assert policies["ttl"] == ringq.models.Policy("ttl", "^ttl\\.", {"message-ttl": 1000}, "/", 2, "queues")
         admin.clear_policy("ttl")
         assert "ttl" not in {p.name for p in admin.list_policies()}
-        assert len(admin.cluster_status().nodes) == 3
-        assert "ha.blocking" in {q.name for q in admin.list_queues()}  # declared by the first test
+        status = admin.cluster_status()
+        assert isinstance(status, ringq.models.ClusterStatus) and status.store_kind == "sqlite"
+        assert [n.node for n in status.nodes] == ["node1", "node2", "node3"]
+        assert all(isinstance(n, ringq.models.NodeStatus) and n.alive for n in status.nodes)
+        records = {q.name: q for q in admin.list_queues()}
+        assert isinstance(records["ha.blocking"], ringq.models.QueueRecord)  # declared by the first test
+        assert records["ha.blocking"].master in {"node1", "node2", "node3"}
     finally:
         admin.close()
 

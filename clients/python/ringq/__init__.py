@@ -3,11 +3,11 @@
 `ringq.Connection` (blocking) and `ringq.aio.Connection` (asyncio) give
 producers with confirms, consumers with acks, and queue administration;
 `ringq.Admin` / `ringq.aio.Admin` manage policies and the cluster through the
-coordinator. Failures are `ringq.errors.RingqError`s. `ringq.v1` holds the
-code generated from protos/.
+coordinator. Results are `ringq.models` dataclasses, failures
+`ringq.errors.RingqError`s. `ringq.v1` holds the code generated from protos/.
 """
 
-from ringq import errors
+from ringq import errors, models
 from ringq._version import __version__ as __version__
 from ringq.aio import Delivery, Outcome
 from ringq.blocking import Admin, Connection, Consumer, Producer
@@ -25,4 +25,5 @@ __all__ = [
     "Producer",
     "RingqError",
     "errors",
+    "models",
 ]

@@ -52,6 +52,7 @@ from tenacity import AsyncRetrying, retry_if_exception, stop_after_delay, wait_e
 from ringq import tracing
 from ringq.errors import RingqError, Unavailable, attempts_text, from_rpc_error
 from ringq.history import History
+from ringq.models import ClusterStatus, Permission, Policy, QueueRecord, QueueStatus, User
 from ringq.nodes import Nodes
 from ringq.security import TLS, Credentials, authenticated
 from ringq.transaction import Transaction
@@ -228,7 +229,7 @@ class Connection:
         auto_delete: bool = False,
         exclusive_owner: str = "",
         arguments: Mapping[str, Any] | None = None,
-    ) -> queue_pb2.QueueInfo:
+    ) -> QueueStatus:
         """Declare `queue` (or find it, if it exists with the same properties).
         `arguments`: RabbitMQ's x-arguments as Python values, e.g. {"x-max-length": 1000, "x-overflow":
         "reject-publish", "x-single-active-consumer": True}; each is sent as JSON text (the proto's form)."""
@@ -241,7 +242,7 @@ class Connection:
             arguments=texts,
         )
         response: queue_pb2.DeclareQueueResponse = await self.call("DeclareQueue", request)
-        return response.queue
+        return QueueStatus.from_proto(response.queue)
 
     async def delete_queue(self, queue: str, *, if_unused: bool = False, if_empty: bool = False) -> int:
         """Delete `queue`; returns how many messages went with it."""
@@ -255,11 +256,11 @@ class Connection:
         response: queue_pb2.PurgeQueueResponse = await self.call("PurgeQueue", request)
         return response.messages_purged
 
-    async def queue_status(self, queue: str) -> queue_pb2.QueueInfo:
+    async def queue_status(self, queue: str) -> QueueStatus:
         """Depth, consumers, master, mirrors and sync state of `queue`."""
         request = queue_pb2.QueueStatusRequest(queue=self.ref(queue))
         response: queue_pb2.QueueStatusResponse = await self.call("QueueStatus", request)
-        return response.queue
+        return QueueStatus.from_proto(response.queue)
 
     async def get(self, queue: str, *, no_ack: bool = False) -> Delivery | None:
         """Take one message, if any; settle it with `settle` unless `no_ack`."""
@@ -403,13 +404,17 @@ class Producer:
             self._runner = asyncio.ensure_future(self._run())
         return future
 
-    async def publish(self, body: bytes, **options: Any) -> Outcome:
-        """Publish one message and wait for its confirm."""
-        return await (await self.send(body, **options))
+    async def publish(
+        self, body: bytes, *, headers: Mapping[str, str] | None = None, persistent: bool | None = None
+    ) -> Outcome:
+        """Publish one message and wait for its confirm (`persistent`: default the producer's)."""
+        return await (await self.send(body, headers=headers, persistent=persistent))
 
-    async def publish_many(self, bodies: Sequence[bytes], **options: Any) -> list[Outcome]:
-        """Publish messages in order and wait for every confirm."""
-        futures = [await self.send(body, **options) for body in bodies]
+    async def publish_many(
+        self, bodies: Sequence[bytes], *, headers: Mapping[str, str] | None = None, persistent: bool | None = None
+    ) -> list[Outcome]:
+        """Publish messages in order (each with `headers`) and wait for every confirm."""
+        futures = [await self.send(body, headers=headers, persistent=persistent) for body in bodies]
         return list(await asyncio.gather(*futures))
 
     async def flush(self) -> None:
@@ -858,26 +863,29 @@ class Admin:
     async def clear_policy(self, name: str) -> None:
         await self._call("ClearPolicy", cluster_pb2.ClearPolicyRequest(vhost=self.vhost, name=name))
 
-    async def list_policies(self) -> list[cluster_pb2.Policy]:
+    async def list_policies(self) -> list[Policy]:
+        """The policies of this Admin's vhost."""
         response = await self._call("ListPolicies", cluster_pb2.ListPoliciesRequest(vhost=self.vhost))
-        return list(response.policies)
+        return [Policy.from_proto(p) for p in response.policies]
 
-    async def list_queues(self) -> list[cluster_pb2.QueueRecord]:
+    async def list_queues(self) -> list[QueueRecord]:
+        """The queues of this Admin's vhost as the coordinator records them (placement, policy, arguments)."""
         response = await self._call("ListQueues", cluster_pb2.ListQueuesRequest(vhost=self.vhost))
-        return list(response.queues)
+        return [QueueRecord.from_proto(q) for q in response.queues]
 
-    async def cluster_status(self) -> cluster_pb2.ClusterStatusResponse:
+    async def cluster_status(self) -> ClusterStatus:
+        """The nodes (liveness, draining, disk and memory), the coordinators and the store kind."""
         response: cluster_pb2.ClusterStatusResponse = await self._call(
             "ClusterStatus", cluster_pb2.ClusterStatusRequest()
         )
-        return response
+        return ClusterStatus.from_proto(response)
 
-    async def forget_node(self, node: str) -> list[cluster_pb2.QueueRecord]:
+    async def forget_node(self, node: str) -> list[QueueRecord]:
         """Remove a node that is gone for good; the queues deleted with it (they lived only there)."""
         response: cluster_pb2.ForgetNodeResponse = await self._call(
             "ForgetNode", cluster_pb2.ForgetNodeRequest(node=node)
         )
-        return list(response.deleted_queues)
+        return [QueueRecord.from_proto(q) for q in response.deleted_queues]
 
     # ------------------------------------------------- users, vhosts, permissions (administrators)
 
@@ -891,8 +899,8 @@ class Admin:
     async def change_password(self, name: str, password: str) -> None:
         await self._call("ChangePassword", access_pb2.ChangePasswordRequest(name=name, password=password))
 
-    async def list_users(self) -> list[access_pb2.UserInfo]:
-        return list((await self._call("ListUsers", access_pb2.ListUsersRequest())).users)
+    async def list_users(self) -> list[User]:
+        return [User.from_proto(u) for u in (await self._call("ListUsers", access_pb2.ListUsersRequest())).users]
 
     async def add_vhost(self, name: str) -> None:
         await self._call("AddVhost", access_pb2.AddVhostRequest(name=name))
@@ -911,9 +919,9 @@ class Admin:
     async def clear_permissions(self, user: str) -> None:
         await self._call("ClearPermissions", access_pb2.ClearPermissionsRequest(user=user, vhost=self.vhost))
 
-    async def list_permissions(self) -> list[access_pb2.Permission]:
+    async def list_permissions(self) -> list[Permission]:
         response = await self._call("ListPermissions", access_pb2.ListPermissionsRequest(vhost=self.vhost))
-        return list(response.permissions)
+        return [Permission.from_proto(p) for p in response.permissions]
 
     async def close(self) -> None:
         await self.nodes.close()

@@ -2,9 +2,11 @@
 
 Responsible for: the same Connection / Producer / Consumer / Admin as
 ringq/aio.py, run on one background event-loop thread shared by every
-blocking connection of the process. Guarantees: those of ringq/aio.py;
-`Producer.send` blocks while the window is full (back-pressure) and returns a
-`concurrent.futures.Future`; callbacks run on the background thread.
+blocking connection of the process. Guarantees: those of ringq/aio.py, with
+the same typed arguments and the same results (ringq.models dataclasses) and
+errors (ringq.errors); `Producer.send` blocks while the window is full
+(back-pressure) and returns a `concurrent.futures.Future`; callbacks run on
+the background thread.
 
     from ringq import Connection
 
@@ -27,7 +29,8 @@ from typing import Any, TypeVar
 
 from ringq import aio
 from ringq.aio import Delivery, Outcome
-from ringq.v1 import access_pb2, cluster_pb2, queue_pb2
+from ringq.models import ClusterStatus, Permission, Policy, QueueRecord, QueueStatus, User
+from ringq.security import TLS, Credentials
 
 T = TypeVar("T")
 _loop_lock = threading.Lock()
@@ -55,8 +58,33 @@ async def _made(factory: Callable[[], T]) -> T:
 class Connection:
     """A blocking connection to a ringq cluster; see ringq.aio.Connection for the arguments."""
 
-    def __init__(self, addresses: Sequence[str] | str, **options: Any) -> None:
-        self.aio: aio.Connection = _run(_made(lambda: aio.Connection(addresses, **options)))
+    def __init__(
+        self,
+        addresses: Sequence[str] | str,
+        *,
+        vhost: str = "/",
+        name: str | None = None,
+        history: str | None = None,
+        retry_for: float = 30.0,
+        call_timeout: float = 10.0,
+        connect_timeout: float = 5.0,
+        tls: TLS | None = None,
+        credentials: Credentials | None = None,
+    ) -> None:
+        def made() -> aio.Connection:
+            return aio.Connection(
+                addresses,
+                vhost=vhost,
+                name=name,
+                history=history,
+                retry_for=retry_for,
+                call_timeout=call_timeout,
+                connect_timeout=connect_timeout,
+                tls=tls,
+                credentials=credentials,
+            )
+
+        self.aio: aio.Connection = _run(_made(made))
 
     def __enter__(self) -> Connection:
         return self
@@ -64,16 +92,32 @@ class Connection:
     def __exit__(self, *_: object) -> None:
         self.close()
 
-    def declare_queue(self, queue: str, **options: Any) -> queue_pb2.QueueInfo:
-        return _run(self.aio.declare_queue(queue, **options))
+    def declare_queue(
+        self,
+        queue: str,
+        *,
+        durable: bool = False,
+        auto_delete: bool = False,
+        exclusive_owner: str = "",
+        arguments: Mapping[str, Any] | None = None,
+    ) -> QueueStatus:
+        """Declare `queue` (or find it, if it exists with the same properties); its status."""
+        return _run(
+            self.aio.declare_queue(
+                queue, durable=durable, auto_delete=auto_delete, exclusive_owner=exclusive_owner, arguments=arguments
+            )
+        )
 
-    def delete_queue(self, queue: str, **options: Any) -> int:
-        return _run(self.aio.delete_queue(queue, **options))
+    def delete_queue(self, queue: str, *, if_unused: bool = False, if_empty: bool = False) -> int:
+        """Delete `queue`; how many messages went with it."""
+        return _run(self.aio.delete_queue(queue, if_unused=if_unused, if_empty=if_empty))
 
     def purge_queue(self, queue: str) -> int:
+        """Remove every ready message; how many."""
         return _run(self.aio.purge_queue(queue))
 
-    def queue_status(self, queue: str) -> queue_pb2.QueueInfo:
+    def queue_status(self, queue: str) -> QueueStatus:
+        """Depth, consumers, master, mirrors and sync state of `queue`."""
         return _run(self.aio.queue_status(queue))
 
     def get(self, queue: str, *, no_ack: bool = False) -> Delivery | None:
@@ -82,11 +126,31 @@ class Connection:
     def settle(self, delivery: Delivery, kind: str = "ack", *, multiple: bool = False) -> None:
         _run(self.aio.settle(delivery, kind, multiple=multiple))
 
-    def producer(self, queue: str, **options: Any) -> Producer:
-        return Producer(_run(_made(lambda: self.aio.producer(queue, **options))))
+    def producer(
+        self,
+        queue: str,
+        *,
+        publisher_id: str | None = None,
+        window: int = 1000,
+        batch: int = 100,
+        persistent: bool = False,
+    ) -> Producer:
+        """A producer for `queue` (see ringq.aio.Connection.producer); `with connection.producer(q) as p:`."""
 
-    def consumer(self, queue: str, **options: Any) -> Consumer:
-        return Consumer(_run(_made(lambda: self.aio.consumer(queue, **options))))
+        def made() -> aio.Producer:  # on the loop's thread, as every SDK object
+            return self.aio.producer(
+                queue, publisher_id=publisher_id, window=window, batch=batch, persistent=persistent
+            )
+
+        return Producer(_run(_made(made)))
+
+    def consumer(self, queue: str, *, prefetch: int = 100, priority: int = 0, consumer_tag: str = "") -> Consumer:
+        """A consumer of `queue` (starts when first iterated); `with connection.consumer(q) as c:`."""
+
+        def made() -> aio.Consumer:
+            return self.aio.consumer(queue, prefetch=prefetch, priority=priority, consumer_tag=consumer_tag)
+
+        return Consumer(_run(_made(made)))
 
     def close(self) -> None:
         _run(self.aio.close())
@@ -118,11 +182,17 @@ class Producer:
         _run(send())
         return result
 
-    def publish(self, body: bytes, **options: Any) -> Outcome:
-        return self.send(body, **options).result()
+    def publish(
+        self, body: bytes, *, headers: Mapping[str, str] | None = None, persistent: bool | None = None
+    ) -> Outcome:
+        """Publish one message and wait for its confirm."""
+        return self.send(body, headers=headers, persistent=persistent).result()
 
-    def publish_many(self, bodies: Sequence[bytes], **options: Any) -> list[Outcome]:
-        return _run(self.aio.publish_many(bodies, **options))
+    def publish_many(
+        self, bodies: Sequence[bytes], *, headers: Mapping[str, str] | None = None, persistent: bool | None = None
+    ) -> list[Outcome]:
+        """Publish messages in order and wait for every confirm."""
+        return _run(self.aio.publish_many(bodies, headers=headers, persistent=persistent))
 
     def flush(self) -> None:
         """Wait until every message sent so far is confirmed (or failed)."""
@@ -187,8 +257,22 @@ class Consumer:
 class Admin:
     """Blocking admin of policies and the cluster; see ringq.aio.Admin."""
 
-    def __init__(self, nodes: Sequence[str] | str, **options: Any) -> None:
-        self.aio: aio.Admin = _run(_made(lambda: aio.Admin(nodes, **options)))
+    def __init__(
+        self,
+        nodes: Sequence[str] | str,
+        *,
+        vhost: str = "/",
+        timeout: float = 5.0,
+        connect_timeout: float = 5.0,
+        tls: TLS | None = None,
+        credentials: Credentials | None = None,
+    ) -> None:
+        def made() -> aio.Admin:
+            return aio.Admin(
+                nodes, vhost=vhost, timeout=timeout, connect_timeout=connect_timeout, tls=tls, credentials=credentials
+            )
+
+        self.aio: aio.Admin = _run(_made(made))
 
     def __enter__(self) -> Admin:
         return self
@@ -196,20 +280,27 @@ class Admin:
     def __exit__(self, *_: object) -> None:
         self.close()
 
-    def set_policy(self, name: str, pattern: str, definition: Mapping[str, Any], **options: Any) -> None:
-        _run(self.aio.set_policy(name, pattern, definition, **options))
+    def set_policy(
+        self, name: str, pattern: str, definition: Mapping[str, Any], *, priority: int = 0, apply_to: str = "queues"
+    ) -> None:
+        """Create or replace a policy (RabbitMQ's keys: ha-mode, ha-params, ha-sync-mode, message-ttl, ...)."""
+        _run(self.aio.set_policy(name, pattern, definition, priority=priority, apply_to=apply_to))
 
     def clear_policy(self, name: str) -> None:
         _run(self.aio.clear_policy(name))
 
-    def list_policies(self) -> list[cluster_pb2.Policy]:
+    def list_policies(self) -> list[Policy]:
         return _run(self.aio.list_policies())
 
-    def list_queues(self) -> list[cluster_pb2.QueueRecord]:
+    def list_queues(self) -> list[QueueRecord]:
         return _run(self.aio.list_queues())
 
-    def cluster_status(self) -> cluster_pb2.ClusterStatusResponse:
+    def cluster_status(self) -> ClusterStatus:
         return _run(self.aio.cluster_status())
+
+    def forget_node(self, node: str) -> list[QueueRecord]:
+        """Remove a node that is gone for good; the queues deleted with it (they lived only there)."""
+        return _run(self.aio.forget_node(node))
 
     def add_user(self, name: str, password: str, tags: Sequence[str] = ()) -> None:
         _run(self.aio.add_user(name, password, tags))
@@ -220,7 +311,7 @@ class Admin:
     def change_password(self, name: str, password: str) -> None:
         _run(self.aio.change_password(name, password))
 
-    def list_users(self) -> list[access_pb2.UserInfo]:
+    def list_users(self) -> list[User]:
         return _run(self.aio.list_users())
 
     def add_vhost(self, name: str) -> None:
@@ -238,7 +329,7 @@ class Admin:
     def clear_permissions(self, user: str) -> None:
         _run(self.aio.clear_permissions(user))
 
-    def list_permissions(self) -> list[access_pb2.Permission]:
+    def list_permissions(self) -> list[Permission]:
         return _run(self.aio.list_permissions())
 
     def close(self) -> None:
