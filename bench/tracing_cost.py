@@ -63,7 +63,7 @@ def _worktree(commit: str, directory: Path) -> Path:
 
 
 def _w1(tree: Path) -> float:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_") and k != tracing.TRACE_DIR_ENV}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_") and k != "RINGQ_TRACE_DIR"}
     env["PYTHONPATH"] = os.pathsep.join([str(tree), str(tree / "clients" / "python")])
     done = subprocess.run(
         [sys.executable, "-c", _W1], cwd=tree, env=env, capture_output=True, text=True, timeout=600, check=False

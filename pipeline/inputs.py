@@ -13,7 +13,14 @@ Guarantees:
   `ts` and `event`; spans: `name`, `trace_id` and `start_unix_nano`);
 - every row keeps where it came from (`_file`, `_block`, `_row`): ordering by those three gives
   the order of the lines in their file (a split's rows are read in order and get increasing row
-  ids), so "then file line order" tie-breaks are exact.
+  ids), so "then file line order" tie-breaks are exact;
+- a span's `name` column is the lifecycle step it records: a node's span name as it is
+  (`ringq.enqueue`, ...), and for a client span named by the OpenTelemetry messaging conventions
+  (`publish orders`, `receive orders`, ...; `messaging.system` "ringq") the step of its
+  `messaging.operation.type` (CLIENT_STEPS: send is `ringq.publish`); `span_name` keeps the name
+  written. Its `queue` and `message_id` come from `messaging.destination.name` and
+  `messaging.message.id` where the ringq attributes are absent. Span files of older clients
+  (`ringq.publish` with `ringq.queue`) read the same.
 """
 
 from __future__ import annotations
@@ -76,6 +83,22 @@ SPAN_ATTRIBUTES: dict[str, tuple[str, StringType | LongType | BooleanType]] = {
     "ringq.settle": ("settle", StringType()),
 }
 
+# The OpenTelemetry messaging conventions' attributes of client spans (docs/observability.md).
+MESSAGING_ATTRIBUTES: dict[str, tuple[str, StringType]] = {
+    "messaging.system": ("_messaging_system", StringType()),
+    "messaging.operation.type": ("_operation_type", StringType()),
+    "messaging.destination.name": ("_destination", StringType()),
+    "messaging.message.id": ("_messaging_message_id", StringType()),
+}
+# The lifecycle step of a ringq client span, by its messaging.operation.type.
+CLIENT_STEPS = {
+    "send": "ringq.publish",
+    "receive": "ringq.receive",
+    "process": "ringq.process",
+    "settle": "ringq.ack",
+}
+MESSAGING_SYSTEM = "ringq"
+
 SPAN_SCHEMA = StructType(
     [
         StructField("name", StringType()),
@@ -86,7 +109,12 @@ SPAN_SCHEMA = StructType(
         StructField("end_unix_nano", LongType()),
         StructField("process", StringType()),
         StructField("service", StringType()),
-        StructField("attributes", StructType([StructField(key, kind) for key, (_, kind) in SPAN_ATTRIBUTES.items()])),
+        StructField(
+            "attributes",
+            StructType(
+                [StructField(key, kind) for key, (_, kind) in [*SPAN_ATTRIBUTES.items(), *MESSAGING_ATTRIBUTES.items()]]
+            ),
+        ),
     ]
 )
 
@@ -217,13 +245,15 @@ def read_history(spark: SparkSession, files: Sequence[Path]) -> Input:
 
 
 def read_spans(spark: SparkSession, files: Sequence[Path]) -> Input:
-    """Finished spans, attributes flattened: name, trace_id (lower case), span_id, parent_span_id, start_ns,
-    end_ns, process, service, then one column per SPAN_ATTRIBUTES entry, plus the position columns."""
+    """Finished spans, attributes flattened: name (the lifecycle step), span_name, trace_id (lower case),
+    span_id, parent_span_id, start_ns, end_ns, process, service, then one column per SPAN_ATTRIBUTES entry,
+    plus the position columns."""
     rows = _read_jsonl(spark, files, SPAN_SCHEMA, SPANS_REQUIRED)
     stats = _stats(rows, len(files), with_ts=False)
-    good = rows.where(F.col("_ok")).select(
+    attributes = F.col("attributes")
+    flat = rows.where(F.col("_ok")).select(
         *POSITION,
-        F.col("name"),
+        F.col("name").alias("span_name"),
         F.lower(F.col("trace_id")).alias("trace_id"),
         F.lower(F.col("span_id")).alias("span_id"),
         F.lower(F.col("parent_span_id")).alias("parent_span_id"),
@@ -231,6 +261,18 @@ def read_spans(spark: SparkSession, files: Sequence[Path]) -> Input:
         F.col("end_unix_nano").alias("end_ns"),
         F.col("process"),
         F.col("service"),
-        *(F.col("attributes").getField(key).alias(column) for key, (column, _) in SPAN_ATTRIBUTES.items()),
+        *(attributes.getField(key).alias(column) for key, (column, _) in SPAN_ATTRIBUTES.items()),
+        *(attributes.getField(key).alias(column) for key, (column, _) in MESSAGING_ATTRIBUTES.items()),
     )
+    step: Column = F.col("span_name")
+    for operation, name in CLIENT_STEPS.items():
+        ours = (F.col("_messaging_system") == MESSAGING_SYSTEM) & (F.col("_operation_type") == operation)
+        step = F.when(ours, F.lit(name)).otherwise(step)
+    overrides = {
+        "queue": F.coalesce(F.col("queue"), F.col("_destination")),
+        "message_id": F.coalesce(F.col("message_id"), F.col("_messaging_message_id").cast(LongType())),
+    }
+    columns = ["span_name", "trace_id", "span_id", "parent_span_id", "start_ns", "end_ns", "process", "service"]
+    columns += [column for column, _ in SPAN_ATTRIBUTES.values()]
+    good = flat.select(*POSITION, step.alias("name"), *(overrides.get(c, F.col(c)).alias(c) for c in columns))
     return Input(good, stats, rows)

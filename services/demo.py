@@ -24,10 +24,12 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ringq import aio, tracing
+from opentelemetry.sdk.trace import TracerProvider
+
+from ringq import aio
 from ringq.errors import RingqError
 from ringq.security import TLS, Credentials
-from services import certs, cluster
+from services import certs, cluster, telemetry
 
 NODE_ARGS = ["--failure-timeout-ms", "600", "--heartbeat-interval-ms", "100", "--grace-ms", "100"]
 QUEUE = "demo.orders"
@@ -91,7 +93,7 @@ async def _demo_user(info: cluster.ClusterInfo, tls: TLS) -> Credentials:
     return user
 
 
-async def _traffic(directory: Path, seconds: float) -> tuple[str, float | None]:
+async def _traffic(directory: Path, seconds: float, spans: TracerProvider | None) -> tuple[str, float | None]:
     info = cluster.up(
         3, directory / "cluster", node_args=[*NODE_ARGS, "--trace-dir", str(directory / "spans")], tls=True
     )
@@ -110,10 +112,20 @@ async def _traffic(directory: Path, seconds: float) -> tuple[str, float | None]:
     addresses = [n.address for n in info.nodes]
     histories = directory / "histories"
     producing = aio.Connection(
-        addresses, name="producer", history=str(histories / "history-producer.jsonl"), tls=tls, credentials=user
+        addresses,
+        name="producer",
+        history=str(histories / "history-producer.jsonl"),
+        tls=tls,
+        credentials=user,
+        tracer_provider=spans,
     )
     consuming = aio.Connection(
-        addresses, name="consumer", history=str(histories / "history-consumer.jsonl"), tls=tls, credentials=user
+        addresses,
+        name="consumer",
+        history=str(histories / "history-consumer.jsonl"),
+        tls=tls,
+        credentials=user,
+        tracer_provider=spans,
     )
     status = await producing.declare_queue(QUEUE)
     while len(status.synchronised_mirrors) < 2:
@@ -179,11 +191,14 @@ def main(argv: list[str] | None = None) -> int:
     directory: Path = args.dir.resolve()  # the nodes run in their own directories: give them absolute paths
     cluster.down(directory / "cluster")
     shutil.rmtree(directory, ignore_errors=True)
-    tracing.configure("ringq-client", "demo-clients", str(directory / "spans"), sample_ratio=TRACE_SAMPLE)
+    # The demo is the application: it configures OpenTelemetry for its clients (the SDK installs nothing),
+    # a provider of its own writing the span file the Spark job reads, not a global one.
+    spans = telemetry.tracer_provider("ringq-client", "demo-clients", str(directory / "spans"), TRACE_SAMPLE)
     try:
-        asyncio.run(_traffic(directory, args.seconds))
+        asyncio.run(_traffic(directory, args.seconds, spans))
     finally:
-        tracing.shutdown()
+        if spans is not None:
+            spans.shutdown()
         stopped = cluster.down(directory / "cluster")
         print(f"cluster down ({', '.join(stopped)} stopped); logs in {directory / 'cluster' / 'logs'}")
     return _report(directory)

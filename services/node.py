@@ -43,7 +43,7 @@ from ringq import tracing
 from ringq.internal.v1 import peer_pb2, peer_pb2_grpc
 from ringq.keepalive import SERVER_KEEPALIVE
 from ringq.v1 import admin_pb2, group_pb2, group_pb2_grpc, queue_pb2, queue_pb2_grpc
-from services import config
+from services import config, telemetry
 from services import tls as tls_flags
 from services.access import DEFAULT_VHOST, Operation
 from services.access_guard import OPEN, AccessGuard
@@ -957,7 +957,8 @@ def parser(prog: str = "ringq node") -> argparse.ArgumentParser:
     out.add_argument(
         "--trace-dir",
         help="also write finished spans as JSON lines to DIR/spans-NODE_ID.jsonl (docs/observability.md); "
-        "OTEL_EXPORTER_OTLP_ENDPOINT exports over OTLP",
+        "OTEL_EXPORTER_OTLP_ENDPOINT exports over OTLP (OTEL_EXPORTER_OTLP_PROTOCOL grpc or http/protobuf, "
+        "OTEL_TRACES_EXPORTER and OTEL_METRICS_EXPORTER otlp, console or none: services/telemetry.py)",
     )
     out.add_argument(
         "--log-level",
@@ -993,7 +994,7 @@ def main(argv: list[str] | None = None, prog: str = "ringq node") -> int:
             scrape = prometheus.start(args.prometheus)
             log.info("node %s serving metrics for Prometheus on http://%s/metrics", args.id, scrape.address)
         readers = [scrape.reader] if scrape is not None else []
-        tracing.configure("ringq-node", args.id, args.trace_dir, metric_readers=readers)
+        telemetry.configure("ringq-node", args.id, args.trace_dir, metric_readers=readers)
         asyncio.run(
             serve(
                 args.id,
@@ -1009,11 +1010,11 @@ def main(argv: list[str] | None = None, prog: str = "ringq node") -> int:
                 health_listen=args.health_listen,
             )
         )
-    except OSError as error:
+    except (OSError, telemetry.TelemetryError) as error:
         print(f"ringq node: {error}", file=sys.stderr)
         return 1
     finally:
-        tracing.shutdown()
+        telemetry.shutdown()
         if scrape is not None:
             scrape.close()
     return 0

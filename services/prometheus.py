@@ -2,7 +2,7 @@
 the same instruments OTLP exports, served at http://HOST:PORT/metrics in the Prometheus text format.
 
 Responsible for: the OpenTelemetry Prometheus exporter's metric reader (handed to
-`ringq.tracing.configure`, which installs the meter provider), with the process's own collectors
+`services.telemetry.configure`, which installs the meter provider), with the process's own collectors
 beside it (process_* CPU, memory, file descriptors; python_gc_*, python_info), and the HTTP server that
 Prometheus scrapes, on a daemon thread. Names follow OpenTelemetry's Prometheus translation: dots become
 underscores, a unit other than an annotation such as {message} is appended (seconds), counters end in

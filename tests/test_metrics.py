@@ -1,11 +1,15 @@
 """OTel metrics and spans over OTLP: nodes started with the standard OTEL_EXPORTER_OTLP_ENDPOINT export
 queue depth (ready, unacknowledged), consumers, publish / deliver / ack counters, the ring round trip (in
 seconds) and the node's identity and health to a collector (a fake one here, serving OTLP/gRPC on
-127.0.0.1). tests/test_prometheus.py scrapes the same instruments."""
+127.0.0.1), or over OTLP/HTTP when OTEL_EXPORTER_OTLP_PROTOCOL says http/protobuf.
+tests/test_prometheus.py scrapes the same instruments."""
 
 from __future__ import annotations
 
 import asyncio
+import gzip
+import http.server
+import threading
 import time
 from collections.abc import Iterator
 from concurrent import futures
@@ -16,6 +20,7 @@ import grpc
 import pytest
 from opentelemetry.proto.collector.metrics.v1 import metrics_service_pb2, metrics_service_pb2_grpc
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
+from opentelemetry.sdk.trace import TracerProvider
 
 from ringq import aio
 from services import cluster
@@ -122,3 +127,79 @@ def test_nodes_export_queue_metrics_and_spans_over_otlp(
         assert _attributes(point) == {"ringq.vhost": "/", "ringq.queue": "metered", "ringq.node": masters[0]}
     finally:
         cluster.down(tmp_path)
+
+
+class _HttpCollector(http.server.ThreadingHTTPServer):
+    """An OTLP/HTTP collector (protobuf bodies at /v1/metrics and /v1/traces): metric names and span names seen."""
+
+    def __init__(self) -> None:
+        super().__init__(("127.0.0.1", 0), _HttpExport)
+        self.metric_names: set[str] = set()
+        self.span_names: set[str] = set()
+        self.paths: set[str] = set()
+
+
+class _HttpExport(http.server.BaseHTTPRequestHandler):
+    server: _HttpCollector
+
+    def do_POST(self) -> None:
+        body = self.rfile.read(int(self.headers.get("Content-Length", "0")))
+        if self.headers.get("Content-Encoding") == "gzip":
+            body = gzip.decompress(body)
+        self.server.paths.add(self.path)
+        if self.path == "/v1/metrics":
+            metrics = metrics_service_pb2.ExportMetricsServiceRequest.FromString(body)
+            for resource in metrics.resource_metrics:
+                for scope in resource.scope_metrics:
+                    self.server.metric_names.update(m.name for m in scope.metrics)
+            answer = metrics_service_pb2.ExportMetricsServiceResponse().SerializeToString()
+        else:
+            spans = trace_service_pb2.ExportTraceServiceRequest.FromString(body)
+            for resource_spans in spans.resource_spans:
+                for scope_spans in resource_spans.scope_spans:
+                    self.server.span_names.update(s.name for s in scope_spans.spans)
+            answer = trace_service_pb2.ExportTraceServiceResponse().SerializeToString()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/x-protobuf")
+        self.send_header("Content-Length", str(len(answer)))
+        self.end_headers()
+        self.wfile.write(answer)
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+
+def test_nodes_export_over_otlp_http_when_the_protocol_says_so(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """OTEL_EXPORTER_OTLP_PROTOCOL=http/protobuf: the same metrics and spans, POSTed to /v1/metrics and
+    /v1/traces (services/telemetry.py picks the exporters)."""
+    collector = _HttpCollector()
+    threading.Thread(target=collector.serve_forever, daemon=True).start()
+    try:
+        monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", f"http://127.0.0.1:{collector.server_address[1]}")
+        monkeypatch.setenv("OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf")
+        monkeypatch.setenv("OTEL_METRIC_EXPORT_INTERVAL", "300")
+        monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "200")
+        info = cluster.up(3, tmp_path, node_args=NODE_ARGS)
+        try:
+
+            async def traffic() -> None:
+                # A provider of the application's, exporting nowhere: the messages carry trace context,
+                # so the nodes record their spans.
+                async with aio.Connection([n.address for n in info.nodes], tracer_provider=TracerProvider()) as c:
+                    await c.declare_queue("metered.http")
+                    await c.producer("metered.http").publish_many([b"x"] * 5)
+
+            asyncio.run(traffic())
+            deadline = time.monotonic() + 15
+            while time.monotonic() < deadline:
+                if PUBLISHED in collector.metric_names and "ringq.enqueue" in collector.span_names:
+                    break
+                time.sleep(0.2)
+            assert {"/v1/metrics", "/v1/traces"} <= collector.paths
+            assert {PUBLISHED, MESSAGES} <= collector.metric_names
+            assert {"ringq.enqueue", "ringq.confirm"} <= collector.span_names
+        finally:
+            cluster.down(tmp_path)
+    finally:
+        collector.shutdown()
+        collector.server_close()

@@ -39,6 +39,7 @@ import contextlib
 import enum
 import json
 import threading
+import time
 import uuid
 from collections import OrderedDict, deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
@@ -46,7 +47,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
-from opentelemetry import trace
+from opentelemetry import metrics, trace
 from tenacity import AsyncRetrying, retry_if_exception, stop_after_delay, wait_exponential
 
 from ringq import tracing
@@ -118,6 +119,9 @@ class Connection:
     (docs/observability.md), default $RINGQ_HISTORY. `tls`: reach the nodes over TLS
     (`ringq.TLS(ca="ca.pem")`); None: plaintext. `credentials`: the user to act as
     (`ringq.Credentials("alice", "secret")`), needed with TLS. Every failure is a `ringq.errors.RingqError`.
+    `tracer_provider` / `meter_provider`: where this connection's spans and metrics go (named by the
+    OpenTelemetry messaging conventions, ringq.tracing); default the process's global providers, which
+    the application installs if it wants them: the SDK installs none.
     """
 
     def __init__(
@@ -132,6 +136,8 @@ class Connection:
         connect_timeout: float = 5.0,
         tls: TLS | None = None,
         credentials: Credentials | None = None,
+        tracer_provider: trace.TracerProvider | None = None,
+        meter_provider: metrics.MeterProvider | None = None,
     ) -> None:
         self.nodes = Nodes(addresses, tls=tls, connect_timeout=connect_timeout)
         self.addresses = self.nodes.addresses
@@ -143,7 +149,7 @@ class Connection:
         self.retry_for = retry_for
         self.call_timeout = call_timeout
         self._closing: list[Callable[[], Awaitable[None]]] = []
-        tracing.configure("ringq-client", self.name)
+        self.telemetry = tracing.ClientTelemetry(self.name, tracer_provider, meter_provider)
 
     async def __aenter__(self) -> Connection:
         return self
@@ -265,10 +271,25 @@ class Connection:
     async def get(self, queue: str, *, no_ack: bool = False) -> Delivery | None:
         """Take one message, if any; settle it with `settle` unless `no_ack`."""
         request = queue_pb2.GetRequest(queue=self.ref(queue), no_ack=no_ack)
+        started = time.monotonic()
         response: queue_pb2.GetResponse = await self.call("Get", request)
         if not response.found:
             return None
-        return Delivery(response.delivery, queue, None, 0)
+        delivery = Delivery(response.delivery, queue, None, 0)
+        telemetry = self.telemetry
+        if telemetry.tracing or telemetry.metering:
+            telemetry.received(
+                queue,
+                delivery.headers,
+                delivery.message_id,
+                delivery.publisher,
+                delivery.seq,
+                delivery.redelivered,
+                delivery.delivery_count,
+                len(delivery.body),
+                started,
+            )
+        return delivery
 
     async def settle(self, delivery: Delivery, kind: str = "ack", *, multiple: bool = False) -> None:
         """Settle a delivery of `get` ("ack", "requeue" or "reject")."""
@@ -280,6 +301,8 @@ class Connection:
             kind=_KINDS[kind],
         )
         await self.call("Settle", request)
+        if self.telemetry.tracing:
+            self.telemetry.settled(delivery.queue, delivery.headers, kind, delivery.message_id)
 
     # ----------------------------------------------- producers, consumers
 
@@ -327,6 +350,7 @@ class _Pending:
     persistent: bool
     future: asyncio.Future[Outcome]
     span: trace.Span | None = None
+    started: float = 0.0  # when it was sent, if metrics are on
 
 
 class Producer:
@@ -387,13 +411,12 @@ class Producer:
             future.add_done_callback(callback)
         pending = _Pending(body, dict(headers or {}), self.persistent if persistent is None else persistent, future)
         history = self.connection.history
-        if tracing.enabled():
-            pending.span = tracing.tracer().start_span(
-                "ringq.publish",
-                kind=trace.SpanKind.PRODUCER,
-                attributes={"ringq.queue": self.queue, "ringq.publisher": self.scoped_id, "ringq.seq": seq},
-            )
+        telemetry = self.connection.telemetry
+        if telemetry.tracing:
+            pending.span = telemetry.publish_span(self.queue, self.scoped_id, seq, len(body), self.connection.address)
             tracing.inject(pending.headers, pending.span)
+        if telemetry.metering:
+            pending.started = time.monotonic()
         if history.on:
             history.record("publish", queue=self.queue, publisher=self.scoped_id, seq=seq)
         self._unconfirmed[seq] = pending
@@ -500,9 +523,8 @@ class Producer:
         if pending is None:
             return
         self._room.release()
-        if pending.span is not None:
-            pending.span.set_attribute("ringq.outcome", outcome.value)
-            pending.span.end()
+        if pending.span is not None or pending.started:
+            self.connection.telemetry.published(self.queue, pending.span, pending.started, outcome.value, None)
         history = self.connection.history
         if history.on:
             history.record("confirm", queue=self.queue, publisher=self.scoped_id, seq=seq, outcome=outcome.value)
@@ -513,9 +535,8 @@ class Producer:
         history = self.connection.history
         for seq, pending in sorted(self._unconfirmed.items()):
             self._room.release()
-            if pending.span is not None:
-                pending.span.set_status(trace.StatusCode.ERROR, str(error.code))
-                pending.span.end()
+            if pending.span is not None or pending.started:
+                self.connection.telemetry.published(self.queue, pending.span, pending.started, None, error.code.name)
             if history.on:
                 history.record("nack", queue=self.queue, publisher=self.scoped_id, seq=seq, error=str(error.code))
             if not pending.future.done():
@@ -619,11 +640,21 @@ class Consumer:
         return item
 
     async def run(self, callback: Callable[[Delivery], Awaitable[None] | None]) -> None:
-        """Call `callback` with each delivery until the consumer is closed (it settles them)."""
+        """Call `callback` with each delivery until the consumer is closed (it settles them); each call is a
+        `process {queue}` span (with tracing on, for a traced message), its parent the message's publish."""
         async for delivery in self:
-            result = callback(delivery)
-            if result is not None:
-                await result
+            with self.processing(delivery):
+                result = callback(delivery)
+                if result is not None:
+                    await result
+
+    def processing(self, delivery: Delivery) -> contextlib.AbstractContextManager[None]:
+        """Around the application's handling of `delivery`: a `process {queue}` span, current while it runs
+        (the application's own spans become its children), and messaging.process.duration."""
+        telemetry = self.connection.telemetry
+        if not (telemetry.tracing or telemetry.metering):
+            return contextlib.nullcontext()
+        return telemetry.processing(self.queue, delivery.headers, delivery.message_id)
 
     def settle(self, delivery: Delivery, kind: str, multiple: bool) -> bool:
         """Queue a settlement on the stream `delivery` came from (thread-safe); False if that stream is gone."""
@@ -635,8 +666,9 @@ class Consumer:
             self._loop.call_soon_threadsafe(self._queue_settlement, stream, settlement)
         else:
             self._queue_settlement(stream, settlement)
-        if tracing.enabled():
-            tracing.event_span("ringq.ack", delivery.headers, self._attributes(delivery) | {"ringq.settle": kind})
+        telemetry = self.connection.telemetry
+        if telemetry.tracing:
+            telemetry.settled(self.queue, delivery.headers, kind, delivery.message_id)
         history = self.connection.history
         if history.on and kind == "ack":
             history.record(
@@ -699,15 +731,6 @@ class Consumer:
     async def __aexit__(self, *_: object) -> None:
         await self.close()
 
-    def _attributes(self, delivery: Delivery) -> dict[str, Any]:
-        return {
-            "ringq.queue": self.queue,
-            "ringq.message_id": delivery.message_id,
-            "ringq.publisher": delivery.publisher,
-            "ringq.seq": delivery.seq,
-            "ringq.redelivered": delivery.redelivered,
-        }
-
     async def _run(self) -> None:
         try:
             await self.connection.reach()
@@ -768,8 +791,18 @@ class Consumer:
         """Hand a delivery of `stream` to the application (unless it is a redelivery of one acknowledged)."""
         if self._already_acked(stream, delivery):
             return
-        if tracing.enabled():
-            tracing.event_span("ringq.receive", delivery.headers, self._attributes(delivery))
+        telemetry = self.connection.telemetry
+        if telemetry.tracing or telemetry.metering:
+            telemetry.received(
+                self.queue,
+                delivery.headers,
+                delivery.message_id,
+                delivery.publisher,
+                delivery.seq,
+                delivery.redelivered,
+                delivery.delivery_count,
+                len(delivery.body),
+            )
         history = self.connection.history
         if history.on:
             history.record(

@@ -27,6 +27,8 @@ import threading
 from collections.abc import Callable, Coroutine, Iterator, Mapping, Sequence
 from typing import Any, TypeVar
 
+from opentelemetry import metrics, trace
+
 from ringq import aio
 from ringq.aio import Delivery, Outcome
 from ringq.models import ClusterStatus, Permission, Policy, QueueRecord, QueueStatus, User
@@ -70,6 +72,8 @@ class Connection:
         connect_timeout: float = 5.0,
         tls: TLS | None = None,
         credentials: Credentials | None = None,
+        tracer_provider: trace.TracerProvider | None = None,
+        meter_provider: metrics.MeterProvider | None = None,
     ) -> None:
         def made() -> aio.Connection:
             return aio.Connection(
@@ -82,6 +86,8 @@ class Connection:
                 connect_timeout=connect_timeout,
                 tls=tls,
                 credentials=credentials,
+                tracer_provider=tracer_provider,
+                meter_provider=meter_provider,
             )
 
         self.aio: aio.Connection = _run(_made(made))
@@ -238,9 +244,11 @@ class Consumer:
             return None
 
     def run(self, callback: Callable[[Delivery], None]) -> None:
-        """Call `callback` with each delivery (on this thread) until the consumer is closed."""
+        """Call `callback` with each delivery (on this thread) until the consumer is closed; each call is a
+        `process {queue}` span as in ringq.aio.Consumer.run."""
         for delivery in self:
-            callback(delivery)
+            with self.aio.processing(delivery):
+                callback(delivery)
 
     def close(self) -> None:
         """Send the settlements made so far, then cancel the consumer (the queue requeues what was not

@@ -1,131 +1,118 @@
-"""OpenTelemetry for ringq processes (clients and nodes): turning tracing on, the span file exporter,
-and W3C trace context in message headers.
+"""OpenTelemetry in ringq, through the OpenTelemetry API only: the SDK's spans and metrics, named by the
+OpenTelemetry messaging semantic conventions, the node's tracing hooks, and W3C trace context in message
+headers.
 
-Responsible for: installing a tracer provider when asked to (the standard
-`OTEL_EXPORTER_OTLP_ENDPOINT`, or a span directory from `--trace-dir` /
-`RINGQ_TRACE_DIR`), and a meter provider (the same endpoint, or metric readers
-the caller brings: a node's Prometheus scrape, services/prometheus.py); writing
-finished spans as JSON lines in the format of docs/observability.md, and
-carrying a message's trace context in its headers (`traceparent`, `tracestate`).
+Responsible for: whether a tracer or meter provider is installed (`enabled()`, `metrics_enabled()`: the
+process's global ones, or those an application hands a Connection), the spans and metrics of a client
+connection (`ClientTelemetry`: publish, receive, process and settle spans; sent and consumed message
+counters and the operation duration histogram), moments of a traced message's life on a node
+(`event_span`), and carrying a message's trace context in its headers (`traceparent`, `tracestate`).
 
-Guarantees: with neither an endpoint nor a directory no tracer provider is
-installed and `enabled()` is False, so callers skip every tracing call on the
-message path; with neither an endpoint nor a reader no meter provider is, and
-`metrics_enabled()` is False. Spans and metrics of a process are flushed when
-`shutdown()` runs (at exit).
+Guarantees: this module never installs a provider, processor or exporter: an application configures
+OpenTelemetry (`trace.set_tracer_provider(...)`, or `Connection(..., tracer_provider=...)`), and a node's
+process is configured by services/telemetry.py. With no provider installed, `enabled()` is False and
+callers skip every tracing call on the message path (the check costs a clock read); a global provider
+installed later is seen within RECHECK_SECONDS, and at once by a Connection made after it.
+
+    from opentelemetry import trace
+    from opentelemetry.sdk.trace import TracerProvider
+
+    trace.set_tracer_provider(TracerProvider())      # the application's choice, exporters and all
+    connection = ringq.Connection(addresses)         # its producers and consumers now record spans
 """
 
 from __future__ import annotations
 
-import atexit
-import json
-import os
-import threading
-from collections.abc import Mapping, MutableMapping, Sequence
-from pathlib import Path
+import contextlib
+import time
+from collections.abc import Iterator, Mapping, MutableMapping
 from typing import Any
 
 from opentelemetry import context as otel_context
-from opentelemetry import trace
-from opentelemetry.sdk.resources import Resource
-from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
-from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
-from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
+from opentelemetry import metrics, trace
+from opentelemetry.metrics import NoOpMeterProvider
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-TRACE_DIR_ENV = "RINGQ_TRACE_DIR"
+from ringq._version import __version__
+
+SCOPE = "ringq"  # the instrumentation scope of every ringq tracer and meter
 TRACEPARENT = "traceparent"
 TRACEPARENT_BYTES = TRACEPARENT.encode()
+RECHECK_SECONDS = 1.0
+
+# The OpenTelemetry messaging semantic conventions (opentelemetry-semantic-conventions' incubating names).
+MESSAGING_SYSTEM = "ringq"
+SYSTEM = "messaging.system"
+DESTINATION = "messaging.destination.name"
+OPERATION_TYPE = "messaging.operation.type"  # create, send, receive, process, settle
+OPERATION_NAME = "messaging.operation.name"  # ringq's own: publish, receive, process, ack, requeue, reject
+MESSAGE_ID = "messaging.message.id"
+CLIENT_ID = "messaging.client.id"
+BODY_SIZE = "messaging.message.body.size"
+SERVER_ADDRESS = "server.address"
+SERVER_PORT = "server.port"
+ERROR_TYPE = "error.type"
+SENT_MESSAGES = "messaging.client.sent.messages"
+CONSUMED_MESSAGES = "messaging.client.consumed.messages"
+OPERATION_DURATION = "messaging.client.operation.duration"
+PROCESS_DURATION = "messaging.process.duration"
+# ringq's attributes, beside the conventions' (what identifies a message to the lifecycle job).
+PUBLISHER = "ringq.publisher"
+SEQ = "ringq.seq"
+OUTCOME = "ringq.outcome"
+REDELIVERED = "ringq.redelivered"
+DELIVERY_COUNT = "ringq.delivery_count"
+
 _propagator = TraceContextTextMapPropagator()
-_state: dict[str, Any] = {"provider": None, "meters": None, "process": ""}
+_global = {"tracing": False, "metrics": False, "checked_at": -RECHECK_SECONDS}
+
+
+def _tracer_installed(provider: trace.TracerProvider) -> bool:
+    return not isinstance(provider, trace.ProxyTracerProvider | trace.NoOpTracerProvider)
+
+
+def _meter_installed(provider: metrics.MeterProvider) -> bool:
+    # The API hands out a proxy (a private class) until a provider is set; NoOpMeterProvider is public.
+    return not isinstance(provider, NoOpMeterProvider) and type(provider).__name__ != "_ProxyMeterProvider"
+
+
+def refresh() -> None:
+    """Look at the process's global providers now (a Connection does, when it is made)."""
+    _global["tracing"] = _global["tracing"] or _tracer_installed(trace.get_tracer_provider())
+    _global["metrics"] = _global["metrics"] or _meter_installed(metrics.get_meter_provider())
+    _global["checked_at"] = time.monotonic()
+
+
+def _look() -> None:
+    if time.monotonic() - _global["checked_at"] >= RECHECK_SECONDS:
+        refresh()
 
 
 def enabled() -> bool:
-    """True once `configure` installed a provider in this process."""
-    return _state["provider"] is not None
+    """True once a tracer provider is installed as the process's global one (a global provider cannot be
+    replaced, so this never becomes False again)."""
+    if _global["tracing"]:
+        return True
+    _look()
+    return bool(_global["tracing"])
 
 
 def metrics_enabled() -> bool:
-    """True once `configure` installed a meter provider (OTLP export, the readers it was given, or both)."""
-    return _state["meters"] is not None
-
-
-def configure(
-    service_name: str,
-    process: str,
-    trace_dir: str | None = None,
-    sample_ratio: float | None = None,
-    *,
-    metric_readers: Sequence[Any] = (),
-) -> bool:
-    """Install tracing for this process if an OTLP endpoint or a span directory is set, and metrics if an
-    OTLP endpoint is or `metric_readers` (OpenTelemetry MetricReaders, e.g. a Prometheus scrape) are given;
-    idempotent. `sample_ratio` (0..1) traces that share of new traces (default: OTEL_TRACES_SAMPLER, else
-    all). Returns whether tracing is on."""
-    if enabled():
+    """True once a meter provider is installed as the process's global one."""
+    if _global["metrics"]:
         return True
-    endpoint = os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
-    directory = trace_dir or os.environ.get(TRACE_DIR_ENV)
-    if not endpoint and not directory and not metric_readers:
-        return False
-    service = os.environ.get("OTEL_SERVICE_NAME", service_name)
-    resource = Resource.create({"service.name": service, "ringq.process": process})
-    if (endpoint or metric_readers) and not metrics_enabled():
-        _configure_metrics(resource, bool(endpoint), metric_readers)
-        atexit.register(shutdown)
-    if not endpoint and not directory:
-        return False
-    sampler = None
-    if sample_ratio is not None and "OTEL_TRACES_SAMPLER" not in os.environ:
-        sampler = ParentBased(TraceIdRatioBased(sample_ratio))
-    provider = TracerProvider(resource=resource, sampler=sampler)
-    if directory:
-        path = Path(directory) / f"spans-{process}.jsonl"
-        exporter = JsonLinesSpanExporter(path, process, service)
-        provider.add_span_processor(BatchSpanProcessor(exporter, schedule_delay_millis=500))
-    if endpoint:
-        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
-
-        provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
-    _state["provider"] = provider
-    _state["process"] = process
-    atexit.register(shutdown)
-    return True
+    _look()
+    return bool(_global["metrics"])
 
 
-def _configure_metrics(resource: Resource, otlp: bool, metric_readers: Sequence[Any]) -> None:
-    """Install the meter provider: OTLP export (every OTEL_METRIC_EXPORT_INTERVAL) if `otlp`, and
-    `metric_readers`; the same instruments go to each."""
-    from opentelemetry import metrics
-    from opentelemetry.sdk.metrics import MeterProvider
-
-    readers = list(metric_readers)
-    if otlp:
-        from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import OTLPMetricExporter
-        from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
-
-        readers.append(PeriodicExportingMetricReader(OTLPMetricExporter()))
-    meters = MeterProvider(resource=resource, metric_readers=readers)
-    metrics.set_meter_provider(meters)
-    _state["meters"] = meters
+def tracer(provider: trace.TracerProvider | None = None) -> trace.Tracer:
+    """ringq's tracer from `provider`, default the global one."""
+    return trace.get_tracer(SCOPE, __version__, tracer_provider=provider)
 
 
-def shutdown() -> None:
-    """Flush and stop this process's tracing and metrics (idempotent)."""
-    provider, meters = _state["provider"], _state["meters"]
-    _state["provider"] = _state["meters"] = None
-    if provider is not None:
-        provider.shutdown()
-    if meters is not None:
-        meters.shutdown()
-
-
-def tracer() -> trace.Tracer:
-    provider = _state["provider"]
-    if provider is None:
-        return trace.NoOpTracer()
-    result: trace.Tracer = provider.get_tracer("ringq")
-    return result
+def meter(provider: metrics.MeterProvider | None = None) -> metrics.Meter:
+    """ringq's meter from `provider`, default the global one."""
+    return metrics.get_meter(SCOPE, __version__, meter_provider=provider)
 
 
 def inject(headers: MutableMapping[str, str], span: trace.Span) -> None:
@@ -140,51 +127,184 @@ def extract(headers: Mapping[str, str]) -> otel_context.Context | None:
     return _propagator.extract(headers)
 
 
-def event_span(name: str, headers: Mapping[str, str], attributes: Mapping[str, Any]) -> None:
-    """Record a span for a moment in a traced message's life (start = end = now)."""
+def event_span(
+    name: str,
+    headers: Mapping[str, str],
+    attributes: Mapping[str, Any],
+    *,
+    kind: trace.SpanKind = trace.SpanKind.INTERNAL,
+    using: trace.Tracer | None = None,
+) -> None:
+    """Record a span for a moment in a traced message's life (start = end = now), a child of the context
+    the message carries; nothing for a message that carries none."""
     parent = extract(headers)
     if parent is None:
         return
-    tracer().start_span(name, context=parent, attributes=dict(attributes)).end()
+    (using or tracer()).start_span(name, context=parent, kind=kind, attributes=dict(attributes)).end()
 
 
-class JsonLinesSpanExporter(SpanExporter):
-    """Appends finished spans to a file, one JSON object a line (docs/observability.md)."""
+class ClientTelemetry:
+    """The spans and metrics of one client connection, through `tracer_provider` and `meter_provider`
+    (default: the process's global ones, whatever the application installs, when it does).
 
-    def __init__(self, path: Path, process: str, service: str) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self._file = path.open("a", encoding="utf-8")
-        self._process = process
-        self._service = service
-        self._lock = threading.Lock()
+    Spans: `publish {queue}` (PRODUCER, from send until the confirm; its context rides in the message's
+    headers), `receive {queue}` (CONSUMER, when a traced delivery reaches the application), `process
+    {queue}` (CONSUMER, around Consumer.run's callback) and `ack|requeue|reject {queue}` (CLIENT, settle).
+    Metrics: messaging.client.sent.messages, messaging.client.consumed.messages,
+    messaging.client.operation.duration (publish to confirm; get), messaging.process.duration."""
 
-    def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
-        lines = [json.dumps(self._record(span), separators=(",", ":")) + "\n" for span in spans]
-        with self._lock:
-            if self._file.closed:
-                return SpanExportResult.FAILURE
-            self._file.writelines(lines)
-            self._file.flush()
-        return SpanExportResult.SUCCESS
+    def __init__(
+        self,
+        client_id: str,
+        tracer_provider: trace.TracerProvider | None = None,
+        meter_provider: metrics.MeterProvider | None = None,
+    ) -> None:
+        self.client_id = client_id
+        self._tracer_provider = tracer_provider
+        self._meter_provider = meter_provider
+        self._tracing = tracer_provider is not None and _tracer_installed(tracer_provider)
+        self._metering = meter_provider is not None and _meter_installed(meter_provider)
+        self.tracer = tracer(tracer_provider)
+        self._instruments: _Instruments | None = None
+        refresh()
 
-    def _record(self, span: ReadableSpan) -> dict[str, Any]:
-        context = span.context
-        parent = span.parent
+    @property
+    def tracing(self) -> bool:
+        """Whether spans are recorded (a provider is installed)."""
+        return self._tracing if self._tracer_provider is not None else enabled()
+
+    @property
+    def metering(self) -> bool:
+        """Whether metrics are recorded (a provider is installed)."""
+        return self._metering if self._meter_provider is not None else metrics_enabled()
+
+    def _base(self, queue: str, operation_type: str, operation: str) -> dict[str, Any]:
         return {
-            "name": span.name,
-            "trace_id": f"{context.trace_id:032x}" if context is not None else None,
-            "span_id": f"{context.span_id:016x}" if context is not None else None,
-            "parent_span_id": f"{parent.span_id:016x}" if parent is not None else None,
-            "start_unix_nano": span.start_time,
-            "end_unix_nano": span.end_time,
-            "process": self._process,
-            "service": self._service,
-            "attributes": dict(span.attributes or {}),
+            SYSTEM: MESSAGING_SYSTEM,
+            DESTINATION: queue,
+            OPERATION_TYPE: operation_type,
+            OPERATION_NAME: operation,
+            CLIENT_ID: self.client_id,
         }
 
-    def shutdown(self) -> None:
-        with self._lock:
-            self._file.close()
+    def instruments(self) -> _Instruments:
+        if self._instruments is None:
+            self._instruments = _Instruments(meter(self._meter_provider))
+        return self._instruments
 
-    def force_flush(self, timeout_millis: int = 30000) -> bool:
-        return True
+    # ------------------------------------------------------------------ publish
+
+    def publish_span(self, queue: str, publisher: str, seq: int, body_size: int, server: str) -> trace.Span:
+        """The span of one message's publish, until `published`."""
+        attributes = self._base(queue, "send", "publish") | {PUBLISHER: publisher, SEQ: seq, BODY_SIZE: body_size}
+        host, _, port = server.rpartition(":")
+        if host and port.isdigit():
+            attributes |= {SERVER_ADDRESS: host.strip("[]"), SERVER_PORT: int(port)}
+        return self.tracer.start_span(f"publish {queue}", kind=trace.SpanKind.PRODUCER, attributes=attributes)
+
+    def published(
+        self, queue: str, span: trace.Span | None, started: float, outcome: str | None, error: str | None
+    ) -> None:
+        """A message's publish ended: confirmed (`outcome`) or failed (`error`, a status code name)."""
+        if span is not None:
+            if outcome is not None:
+                span.set_attribute(OUTCOME, outcome)
+            if error is not None:
+                span.set_attribute(ERROR_TYPE, error)
+                span.set_status(trace.StatusCode.ERROR, error)
+            span.end()
+        if self.metering:
+            attributes = self._base(queue, "send", "publish")
+            del attributes[CLIENT_ID]  # metric attributes stay few: the client id would make a series per client
+            failure = error or ("rejected" if outcome == "rejected" else None)
+            if failure is not None:
+                attributes[ERROR_TYPE] = failure
+            instruments = self.instruments()
+            instruments.sent.add(1, attributes)
+            instruments.duration.record(time.monotonic() - started, attributes)
+
+    # ------------------------------------------------------------------ consume
+
+    def received(
+        self,
+        queue: str,
+        headers: Mapping[str, str],
+        message_id: int,
+        publisher: str,
+        seq: int,
+        redelivered: bool,
+        delivery_count: int,
+        body_size: int,
+        started: float | None = None,
+    ) -> None:
+        """A delivery reached the application (from a consume stream, or `get` when `started` is given)."""
+        if self.tracing:
+            attributes = self._base(queue, "receive", "receive") | {
+                MESSAGE_ID: str(message_id),
+                BODY_SIZE: body_size,
+                PUBLISHER: publisher,
+                SEQ: seq,
+                REDELIVERED: redelivered,
+                DELIVERY_COUNT: delivery_count,
+            }
+            event_span(f"receive {queue}", headers, attributes, kind=trace.SpanKind.CONSUMER, using=self.tracer)
+        if self.metering:
+            attributes = {SYSTEM: MESSAGING_SYSTEM, DESTINATION: queue, OPERATION_NAME: "receive"}
+            instruments = self.instruments()
+            instruments.consumed.add(1, attributes)
+            if started is not None:
+                attributes[OPERATION_TYPE] = "receive"
+                instruments.duration.record(time.monotonic() - started, attributes)
+
+    def settled(self, queue: str, headers: Mapping[str, str], kind: str, message_id: int) -> None:
+        """The application settled a delivery (`kind`: ack, requeue, reject)."""
+        if self.tracing:
+            attributes = self._base(queue, "settle", kind) | {MESSAGE_ID: str(message_id)}
+            event_span(f"{kind} {queue}", headers, attributes, kind=trace.SpanKind.CLIENT, using=self.tracer)
+
+    @contextlib.contextmanager
+    def processing(self, queue: str, headers: Mapping[str, str], message_id: int) -> Iterator[None]:
+        """Around the application's handling of one delivery: a `process {queue}` span (current while it
+        runs, so the application's own spans are its children) and messaging.process.duration."""
+        started = time.monotonic()
+        parent = extract(headers) if self.tracing else None
+        span: trace.Span | None = None
+        if parent is not None:
+            attributes = self._base(queue, "process", "process") | {MESSAGE_ID: str(message_id)}
+            span = self.tracer.start_span(
+                f"process {queue}", context=parent, kind=trace.SpanKind.CONSUMER, attributes=attributes
+            )
+        failure: str | None = None
+        try:
+            if span is None:
+                yield
+            else:
+                with trace.use_span(span, end_on_exit=True):
+                    yield
+        except BaseException as error:
+            failure = type(error).__qualname__
+            raise
+        finally:
+            if self.metering:
+                attributes = {SYSTEM: MESSAGING_SYSTEM, DESTINATION: queue, OPERATION_NAME: "process"}
+                if failure is not None:
+                    attributes[ERROR_TYPE] = failure
+                self.instruments().process.record(time.monotonic() - started, attributes)
+
+
+class _Instruments:
+    """The instruments of one ClientTelemetry (the conventions' names and units)."""
+
+    def __init__(self, meter: metrics.Meter) -> None:
+        self.sent = meter.create_counter(
+            SENT_MESSAGES, unit="{message}", description="Messages the producer sent, counted when answered."
+        )
+        self.consumed = meter.create_counter(
+            CONSUMED_MESSAGES, unit="{message}", description="Messages delivered to the application."
+        )
+        self.duration = meter.create_histogram(
+            OPERATION_DURATION, unit="s", description="Publish until its confirm; get until its answer."
+        )
+        self.process = meter.create_histogram(
+            PROCESS_DURATION, unit="s", description="The application's handling of a delivery (Consumer.run)."
+        )
