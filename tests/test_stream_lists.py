@@ -3,8 +3,12 @@ simulator (tests/sim/stream_sim.py) over 2,000 seeded random schedules."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
+from services.coordinator.metadata import QueueRecord
+from services.coordinator.stream_groups import group_whole
 from services.coordinator.stream_lists import StreamLists, invariant_problems
 from tests.sim.stream_sim import StreamSim
 
@@ -76,3 +80,19 @@ def test_the_lists_keep_order_under_random_schedules() -> None:
         sim = StreamSim(seed).run()
         duplicates += sim.duplicates
     assert duplicates > 0, "the schedules never stored a message twice: the failover path went untested"
+
+
+def test_what_the_coordinator_sees_of_groups_moves_them_in_and_out_of_the_send_list() -> None:
+    lists, _ = StreamLists.new(["a", "b"]).pick()
+    lists = lists.observe({"a": False, "b": True})
+    assert lists.send == ("b",) and lists.down == frozenset({"a"})
+    lists = lists.observe({"a": True, "b": True})
+    assert lists.send == ("b",), "a is whole again but still in the consume list"
+
+
+def test_a_group_is_whole_with_its_master_and_one_synchronised_mirror_live() -> None:
+    group = QueueRecord("/", "stream/s/1", master="n1", mirrors=("n2",), synchronised_mirrors=("n2",))
+    assert group_whole(group, {"n1", "n2"})
+    assert not group_whole(group, {"n1"}), "the mirror's node is down"
+    assert not group_whole(dataclasses.replace(group, synchronised_mirrors=()), {"n1", "n2"})
+    assert not group_whole(dataclasses.replace(group, mirrors=()), {"n1", "n2"})

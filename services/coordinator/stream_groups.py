@@ -9,8 +9,11 @@ distinct nodes when two are live; a group whose mirror is not synchronised and a
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Collection, Mapping
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from services.coordinator.metadata import QueueRecord
 
 STREAM_QUEUE_PREFIX = "stream/"
 GROUP_DEFINITION: Mapping[str, Any] = {
@@ -29,3 +32,17 @@ def is_stream_group(queue_name: str) -> bool:
 def group_queue(stream: str, number: int) -> str:
     """The queue name of group `number` of `stream`."""
     return f"{STREAM_QUEUE_PREFIX}{stream}/{number}"
+
+
+def group_whole(group: QueueRecord, live_nodes: Collection[str]) -> bool:
+    """Whether a group may take sends as the coordinator sees it: its master and its one mirror live, on
+    two nodes, the mirror synchronised."""
+    mirror = group.mirrors[0] if len(group.mirrors) == 1 else ""
+    return (
+        bool(group.master)
+        and bool(mirror)
+        and mirror != group.master
+        and mirror in group.synchronised_mirrors
+        and group.master in live_nodes
+        and mirror in live_nodes
+    )

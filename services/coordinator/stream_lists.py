@@ -141,6 +141,13 @@ class StreamLists:
             return self  # stale, not the head, or still taking sends: nothing to do
         return replace(self, consume=self.consume[1:])._readmit([group])
 
+    def observe(self, whole: Mapping[str, bool]) -> StreamLists:
+        """Apply what the coordinator sees of each group (True: both replicas live and in step)."""
+        lists = self
+        for group, is_whole in whole.items():
+            lists = lists.replicas_back(group) if is_whole else lists.replica_lost(group)
+        return lists
+
     def _readmit(self, groups: Iterable[str]) -> StreamLists:
         joining = tuple(g for g in groups if g not in self.send and self.eligible(g))
         return replace(self, send=(*self.send, *joining)) if joining else self
