@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 
 from ringq import aio
+from ringq import ctl as ringqctl
 from services import cluster
 from tests.clusters import NODE_ARGS, await_every_node_live
 
@@ -188,6 +189,26 @@ def test_errors_and_nodes_tried_in_turn(info: cluster.ClusterInfo, dead_address:
     assert result.returncode == 1 and result.stderr.startswith("ringqctl: UNAVAILABLE: "), result.stderr
     failed(info, "--node", dead_address, "delete_queue", "strict", code="UNAVAILABLE")
     ok(info, "delete_queue", "strict")
+
+
+def test_global_options_come_before_or_after_the_command(info: cluster.ClusterInfo, dead_address: str) -> None:
+    """`ringqctl list_queues --json` as `ringqctl --json list_queues` (it was refused); one given after the
+    command wins over the same before it; a command's own option of that name keeps its meaning."""
+    ok(info, "declare_queue", "after.flags")
+    after = json.loads(ok(info, "list_queues", "--json"))
+    assert "after.flags" in [q["name"] for q in after["queues"]]
+    assert json.loads(ok(info, "declare_queue", "after.flags", "--json", "--timeout", "5"))["queue"]["queue"] == (
+        "after.flags"
+    )
+    # --node after the command: the dead node given before it is not used
+    command = [sys.executable, "-m", "ringq.ctl", "--node", dead_address, "cluster_status", "--json"]
+    done = subprocess.run([*command, "--node", info.nodes[0].address], capture_output=True, text=True, timeout=30)
+    assert done.returncode == 0 and len(json.loads(done.stdout)["nodes"]) == 3, done.stderr
+    parsed = ringqctl.parser().parse_args(["--user", "admin", "--password", "x", "list_permissions", "--user", "bob"])
+    assert (parsed.auth_user, parsed.user) == ("admin", "bob"), "list_permissions --user filters, as before"
+    result = ctl(info, "list_queues", "--no-such-flag")
+    assert result.returncode == 2 and "--no-such-flag" in result.stderr
+    ok(info, "delete_queue", "after.flags")
 
 
 def test_drain_and_undrain_a_node(info: cluster.ClusterInfo) -> None:

@@ -1,7 +1,7 @@
 """`ringqctl`: administer a ringq cluster through its broker nodes.
 
     ringqctl [--node HOST:PORT[,HOST:PORT...]] [--tls-ca PEM [--tls-cert PEM --tls-key PEM]] [--user U --password P]
-             [--json] COMMAND ...
+             [--json] [--timeout S] COMMAND ...       (those options may also come after COMMAND and its arguments)
 
 Cluster commands, sent to a node's AdminService (which answers from the
 coordinator): cluster_status, drain_node, undrain_node, forget_node, set_policy,
@@ -15,7 +15,7 @@ port serves only cluster members.
 Human tables by default, `--json` for scripts (protobuf's JSON mapping, so
 64-bit counts are strings). Errors print one line with the gRPC status and
 message and exit 1; usage errors exit 2. Nodes are those of `--node`, else
-$RINGQ_NODE, else 127.0.0.1:7100; each is tried in turn on UNAVAILABLE.
+$RINGQ_NODE, else 127.0.0.1:7101; each is tried in turn on UNAVAILABLE.
 `--tls-ca` (or $RINGQ_TLS_CA) reaches them over TLS, trusting that CA; `--user` and
 `--password` (or $RINGQ_USER, $RINGQ_PASSWORD) say who acts; or `--tls-cert` and `--tls-key`,
 a user certificate, at the nodes' certificate ports. Users, vhosts and permissions:
@@ -42,7 +42,7 @@ from ringq.ctl_output import table as _table
 from ringq.security import TLS, Credentials, authenticated, channel
 from ringq.v1 import admin_pb2_grpc, cluster_pb2, queue_pb2, queue_pb2_grpc
 
-DEFAULT_NODE = "127.0.0.1:7100"
+DEFAULT_NODE = "127.0.0.1:7101"  # node1 of `ringq cluster up --base-port 7100` (7100: its coordinator)
 NODE_ENV = "RINGQ_NODE"
 TLS_CA_ENV = "RINGQ_TLS_CA"
 USER_ENV = "RINGQ_USER"
@@ -507,45 +507,67 @@ def _queue_argument(text: str) -> tuple[str, str]:
     return key.strip(), value
 
 
-def parser() -> argparse.ArgumentParser:
-    out = _Parser(prog="ringqctl", description="Administer a ringq cluster.", allow_abbrev=False)
-    out.add_argument("--version", action="version", version=f"ringqctl {__version__}")
-    out.add_argument(
+def _global_options(parser: argparse.ArgumentParser, *, after_the_command: bool = False) -> None:
+    """The options every command takes, before it (`ringqctl --json list_queues`) or, with
+    `after_the_command`, after it (`ringqctl list_queues --json`): there they default to nothing, so a value
+    given before the command stands unless one is given after it, and a command's own option of the same
+    name (list_permissions --user) keeps its meaning there."""
+    taken = set(parser._option_string_actions) if after_the_command else set()
+
+    def default(value: object) -> object:
+        return argparse.SUPPRESS if after_the_command else value
+
+    def add_argument(flag: str, **options: Any) -> None:
+        if flag not in taken:
+            parser.add_argument(flag, **options)
+
+    add_argument(
         "--node",
-        default=None,
+        default=default(None),
         help=f"HOST:PORT of broker nodes, comma-separated, tried in turn (default ${NODE_ENV}, else {DEFAULT_NODE})",
     )
-    out.add_argument(
+    add_argument(
         "--user",
         dest="auth_user",
         metavar="USER",
-        default=os.environ.get(USER_ENV) or None,
+        default=default(os.environ.get(USER_ENV) or None),
         help=f"the user to act as (default ${USER_ENV}); with TLS, needed (guest works from loopback only)",
     )
-    out.add_argument(
+    add_argument(
         "--password",
         dest="auth_password",
         metavar="PASSWORD",
-        default=os.environ.get(PASSWORD_ENV) or None,
+        default=default(os.environ.get(PASSWORD_ENV) or None),
         help=f"its password (default ${PASSWORD_ENV})",
     )
-    out.add_argument(
+    add_argument(
         "--tls-ca",
-        default=os.environ.get(TLS_CA_ENV) or None,
+        default=default(os.environ.get(TLS_CA_ENV) or None),
         metavar="PEM",
         help=f"reach the nodes over TLS, trusting this CA certificate (default ${TLS_CA_ENV}; none: plaintext)",
     )
-    out.add_argument(
-        "--tls-cert", metavar="PEM", help="with --tls-ca: a user certificate to authenticate with (no password)"
+    add_argument(
+        "--tls-cert",
+        metavar="PEM",
+        default=default(None),
+        help="with --tls-ca: a user certificate to authenticate with (no password)",
     )
-    out.add_argument("--tls-key", metavar="PEM", help="the user certificate's private key")
-    out.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    out.add_argument("--timeout", type=float, default=5.0, help="seconds per call (default 5)")
+    add_argument("--tls-key", metavar="PEM", default=default(None), help="the user certificate's private key")
+    add_argument("--json", action="store_true", default=default(False), help="print JSON instead of a table")
+    add_argument("--timeout", type=float, default=default(5.0), help="seconds per call (default 5)")
+
+
+def parser() -> argparse.ArgumentParser:
+    out = _Parser(prog="ringqctl", description="Administer a ringq cluster.", allow_abbrev=False)
+    out.add_argument("--version", action="version", version=f"ringqctl {__version__}")
+    _global_options(out)
     commands = out.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    verbs: list[argparse.ArgumentParser] = []
 
     def command(name: str, run: Callable[[Admin, argparse.Namespace], tuple[Any, str]], text: str) -> Any:
-        sub = commands.add_parser(name, help=text, description=text)
+        sub = commands.add_parser(name, help=text, description=text, allow_abbrev=False)
         sub.set_defaults(run=run)
+        verbs.append(sub)
         return sub
 
     command("cluster_status", cluster_status, "nodes, their liveness and disk alarms, coordinators, the store kind")
@@ -603,6 +625,8 @@ def parser() -> argparse.ArgumentParser:
     queue_command("purge_queue", purge_queue, "remove every ready message of a queue")
     queue_command("sync_queue", sync_queue, "start syncing a queue's unsynchronised mirrors")
     queue_command("cancel_sync_queue", cancel_sync_queue, "stop syncing a queue's mirrors")
+    for verb in verbs:  # last: a verb's own options keep their names
+        _global_options(verb, after_the_command=True)
     return out
 
 
