@@ -15,7 +15,7 @@ port serves only cluster members.
 Human tables by default, `--json` for scripts (protobuf's JSON mapping, so
 64-bit counts are strings). Errors print one line with the gRPC status and
 message and exit 1; usage errors exit 2. Nodes are those of `--node`, else
-$RINGQ_NODE, else 127.0.0.1:7101; each is tried in turn on UNAVAILABLE.
+$RINGQ_NODE, else 127.0.0.1:7100; each is tried in turn on UNAVAILABLE.
 `--tls-ca` (or $RINGQ_TLS_CA) reaches them over TLS, trusting that CA; `--user` and
 `--password` (or $RINGQ_USER, $RINGQ_PASSWORD) say who acts; or `--tls-cert` and `--tls-key`,
 a user certificate, at the nodes' certificate ports. Users, vhosts and permissions:
@@ -42,7 +42,7 @@ from ringq.ctl_output import table as _table
 from ringq.security import TLS, Credentials, authenticated, channel
 from ringq.v1 import admin_pb2_grpc, cluster_pb2, queue_pb2, queue_pb2_grpc
 
-DEFAULT_NODE = "127.0.0.1:7101"  # node1 of `ringq cluster up --base-port 7100` (7100: its coordinator)
+DEFAULT_NODE = "127.0.0.1:7100"
 NODE_ENV = "RINGQ_NODE"
 TLS_CA_ENV = "RINGQ_TLS_CA"
 USER_ENV = "RINGQ_USER"
