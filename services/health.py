@@ -28,7 +28,6 @@ from services.request_guard import RequestGuard
 
 log = logging.getLogger("ringq.health")
 
-SERVICE_NAME = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
