@@ -43,11 +43,13 @@ class MemoryCoordinator:
         self.addresses: dict[str, str] = {}
         self.changes: list[tuple[float, GroupChange]] = []
 
-    async def register_node(self, node: str, address: str, cluster_address: str = "") -> None:
+    async def register_node(
+        self, node: str, address: str, cluster_address: str = "", certificate_address: str = ""
+    ) -> None:
         self.addresses[node] = address
 
-    async def node_heartbeat(self, node: str) -> None:
-        pass
+    async def node_heartbeat(self, node: str, disk: object = None, memory: object = None) -> bool:
+        return False  # not draining
 
     async def list_nodes(self) -> list[tuple[str, str]]:
         return list(self.addresses.items())
