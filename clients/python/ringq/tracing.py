@@ -64,7 +64,12 @@ REDELIVERED = "ringq.redelivered"
 DELIVERY_COUNT = "ringq.delivery_count"
 
 _propagator = TraceContextTextMapPropagator()
-_global = {"tracing": False, "metrics": False, "checked_at": -RECHECK_SECONDS}
+# Whether the process's global providers are installed (once they are, for good: a global provider cannot be
+# replaced), and when to look again while they are not.
+_tracing_on = False
+_metrics_on = False
+_look_again_at = 0.0
+_monotonic = time.monotonic
 
 
 def _tracer_installed(provider: trace.TracerProvider) -> bool:
@@ -78,31 +83,29 @@ def _meter_installed(provider: metrics.MeterProvider) -> bool:
 
 def refresh() -> None:
     """Look at the process's global providers now (a Connection does, when it is made)."""
-    _global["tracing"] = _global["tracing"] or _tracer_installed(trace.get_tracer_provider())
-    _global["metrics"] = _global["metrics"] or _meter_installed(metrics.get_meter_provider())
-    _global["checked_at"] = time.monotonic()
-
-
-def _look() -> None:
-    if time.monotonic() - _global["checked_at"] >= RECHECK_SECONDS:
-        refresh()
+    global _tracing_on, _metrics_on, _look_again_at
+    _tracing_on = _tracing_on or _tracer_installed(trace.get_tracer_provider())
+    _metrics_on = _metrics_on or _meter_installed(metrics.get_meter_provider())
+    _look_again_at = _monotonic() + RECHECK_SECONDS
 
 
 def enabled() -> bool:
     """True once a tracer provider is installed as the process's global one (a global provider cannot be
     replaced, so this never becomes False again)."""
-    if _global["tracing"]:
+    if _tracing_on:
         return True
-    _look()
-    return bool(_global["tracing"])
+    if _monotonic() >= _look_again_at:
+        refresh()
+    return _tracing_on
 
 
 def metrics_enabled() -> bool:
     """True once a meter provider is installed as the process's global one."""
-    if _global["metrics"]:
+    if _metrics_on:
         return True
-    _look()
-    return bool(_global["metrics"])
+    if _monotonic() >= _look_again_at:
+        refresh()
+    return _metrics_on
 
 
 def tracer(provider: trace.TracerProvider | None = None) -> trace.Tracer:
