@@ -372,7 +372,8 @@ def state_of(directory: Path) -> list[Path]:
     """The earlier cluster's state in `directory`: its coordinator's store and its nodes' data."""
     found = sorted(directory.glob("coordinator.db*"))
     data = directory / DATA_DIR
-    if data.is_dir() and any(data.iterdir()):
+    # Files only: directories made ready for the nodes (a mounted disk, its lost+found) are no state.
+    if data.is_dir() and any(path.is_file() and "lost+found" not in path.parts for path in data.rglob("*")):
         found.append(data)
     return found
 

@@ -353,9 +353,12 @@ def test_up_on_an_earlier_clusters_state_asks_to_resume_or_start_fresh(
     cluster_dir: Path, stand_in: list[str], capsys: pytest.CaptureFixture[str]
 ) -> None:
     """`ringq cluster up` on an old directory silently resumed its state: it now says so and asks."""
+    # Directories made ready for the nodes (a disk mounted for one, its lost+found) are no state.
+    (cluster_dir / cluster.DATA_DIR / "node1" / "lost+found").mkdir(parents=True)
+    (cluster_dir / cluster.DATA_DIR / "node1" / "lost+found" / "#12").write_bytes(b"fsck")
+    assert cluster.state_of(cluster_dir.resolve()) == []
     cluster.up(1, cluster_dir, node_command=stand_in)
     cluster.down(cluster_dir)
-    (cluster_dir / cluster.DATA_DIR / "node1").mkdir(parents=True)
     (cluster_dir / cluster.DATA_DIR / "node1" / "queue.log").write_bytes(b"kept")
     with pytest.raises(cluster.ClusterError, match=r"--resume.*--fresh") as refused:
         cluster.up(1, cluster_dir, node_command=stand_in)
