@@ -277,18 +277,7 @@ class Connection:
             return None
         delivery = Delivery(response.delivery, queue, None, 0)
         telemetry = self.telemetry
-        if telemetry.tracing or telemetry.metering:
-            telemetry.received(
-                queue,
-                delivery.headers,
-                delivery.message_id,
-                delivery.publisher,
-                delivery.seq,
-                delivery.redelivered,
-                delivery.delivery_count,
-                len(delivery.body),
-                started,
-            )
+        _note_received(telemetry, queue, delivery, started)
         return delivery
 
     async def settle(self, delivery: Delivery, kind: str = "ack", *, multiple: bool = False) -> None:
@@ -792,17 +781,7 @@ class Consumer:
         if self._already_acked(stream, delivery):
             return
         telemetry = self.connection.telemetry
-        if telemetry.tracing or telemetry.metering:
-            telemetry.received(
-                self.queue,
-                delivery.headers,
-                delivery.message_id,
-                delivery.publisher,
-                delivery.seq,
-                delivery.redelivered,
-                delivery.delivery_count,
-                len(delivery.body),
-            )
+        _note_received(telemetry, self.queue, delivery)
         history = self.connection.history
         if history.on:
             history.record(
@@ -958,3 +937,19 @@ class Admin:
 
     async def close(self) -> None:
         await self.nodes.close()
+
+
+def _note_received(telemetry: tracing.ClientTelemetry, queue: str, delivery: Delivery, started: float | None = None) -> None:
+    """Tell the client's telemetry a delivery reached the application (`started`: when a get began)."""
+    if telemetry.tracing or telemetry.metering:
+        telemetry.received(
+            queue,
+            delivery.headers,
+            delivery.message_id,
+            delivery.publisher,
+            delivery.seq,
+            delivery.redelivered,
+            delivery.delivery_count,
+            len(delivery.body),
+            started,
+        )
