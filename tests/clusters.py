@@ -1,5 +1,11 @@
 """A live cluster for integration tests: real node processes on 127.0.0.1, policies set, every node
-live before the test starts, everything stopped afterwards."""
+live before the test starts, everything stopped afterwards; and how a test reaches it.
+
+Test clusters run with mutual TLS between members and authenticated clients (`live_cluster`'s default,
+and `tls=True` wherever a test calls `cluster.up`), as a production cluster does; a test acts as GUEST on
+the nodes' client ports and as MEMBER, a node of the cluster CA that runs no node, where it needs the
+internal API. The same helpers serve a plaintext cluster (plaintext channels, no credentials), kept for
+the tests of the plaintext development mode itself."""
 
 from __future__ import annotations
 
@@ -10,10 +16,14 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import grpc
+
 import ringq
-from ringq import aio
+from ringq import aio, security
 from ringq.security import TLS, Credentials
 from services import certs, cluster
+from services.coordinator.client import CoordinatorClient
+from services.tls import PLAINTEXT, Dialer
 
 # Fast failure detection, so failovers in tests take a second rather than the default several.
 NODE_ARGS = ["--failure-timeout-ms", "600", "--heartbeat-interval-ms", "100", "--grace-ms", "100"]
@@ -25,6 +35,9 @@ HA_ALL: Mapping[str, tuple[str, Mapping[str, Any]]] = {
 LIVE_WITHIN_SECONDS = 20.0
 # The user a cluster starts with, accepted from loopback only (what tests on a TLS cluster act as).
 GUEST = Credentials("guest", "guest")
+# The cluster member a test acts as on the coordinator's and nodes' cluster ports: a node id no test
+# cluster runs, whose certificate the cluster CA signs on demand.
+MEMBER = "node9"
 
 
 def client_tls(info: cluster.ClusterInfo) -> TLS:
@@ -35,6 +48,71 @@ def client_tls(info: cluster.ClusterInfo) -> TLS:
 def access(info: cluster.ClusterInfo) -> dict[str, Any]:
     """The SDK's `tls` and `credentials` arguments for a client of `info` (none for a plaintext cluster)."""
     return {"tls": client_tls(info), "credentials": GUEST} if info.tls else {}
+
+
+def credentials(info: cluster.ClusterInfo) -> Credentials | None:
+    """Who a client of `info` acts as: GUEST on a TLS cluster, nobody on a plaintext one."""
+    return GUEST if info.tls else None
+
+
+def scoped(info: cluster.ClusterInfo, publisher_id: str) -> str:
+    """A publisher id of GUEST's as `info`'s queues keep it (and deliveries show it): scoped to the user on
+    a TLS cluster, the id itself on a plaintext one (services.access_guard.scoped_publisher)."""
+    return f"{GUEST.user}\x1f{publisher_id}" if info.tls else publisher_id
+
+
+def connection(info: cluster.ClusterInfo, *names: str, **options: Any) -> aio.Connection:
+    """An asyncio connection to the nodes `names` of `info` in that order (every node if none), as GUEST
+    over TLS on a TLS cluster; `options` go to aio.Connection."""
+    by_name = {node.name: node.address for node in info.nodes}
+    addresses = [by_name[name] for name in names] if names else info.node_addresses
+    return aio.Connection(addresses, **access(info), **options)
+
+
+def client_channel(
+    info: cluster.ClusterInfo, address: str, options: Sequence[tuple[str, Any]] = ()
+) -> grpc.aio.Channel:
+    """An asyncio channel to the client port at `address` of a node of `info`: TLS trusting the cluster
+    CA on a TLS cluster, plaintext on a plaintext one. Wrap its stubs in `as_guest`."""
+    return security.aio_channel(address, client_tls(info) if info.tls else None, options)
+
+
+def as_guest(info: cluster.ClusterInfo, stub: Any) -> Any:
+    """`stub`, each of its calls authenticated as GUEST on a TLS cluster (unchanged on a plaintext one)."""
+    return security.authenticated(stub, credentials(info))
+
+
+def member(info: cluster.ClusterInfo) -> Dialer:
+    """How a test reaches `info`'s coordinator and nodes' cluster ports as a cluster member: with MEMBER's
+    certificate (made in the cluster's TLS directory if missing) on a TLS cluster, plaintext otherwise."""
+    if not info.tls:
+        return PLAINTEXT
+    certs.issue_node(info.tls_dir, MEMBER)
+    return Dialer(certs.load_node(info.tls_dir, MEMBER))
+
+
+def coordinator_channel(info: cluster.ClusterInfo) -> grpc.aio.Channel:
+    """An asyncio channel to `info`'s coordinator (its internal API), as MEMBER on a TLS cluster."""
+    return member(info).to_coordinator(info.coordinator.address)
+
+
+def coordinator_client(info: cluster.ClusterInfo, **options: Any) -> CoordinatorClient:
+    """A CoordinatorClient of `info`'s coordinator, as MEMBER on a TLS cluster; `options` go to it."""
+    return CoordinatorClient(info.coordinator.address, dialer=member(info), **options)
+
+
+async def set_policy(info: cluster.ClusterInfo, name: str, pattern: str, definition: Mapping[str, Any]) -> None:
+    """Set policy `name` (vhost /) through the nodes' AdminService of `info`, as GUEST on a TLS cluster."""
+    async with aio.Admin(info.node_addresses, **access(info)) as admin:
+        await admin.set_policy(name, pattern, definition)
+
+
+def ctl_env(info: cluster.ClusterInfo) -> dict[str, str]:
+    """The environment ringqctl needs to act on `info` as GUEST (TLS trusting its CA), none on plaintext."""
+    if not info.tls:
+        return {}
+    ca = str(certs.ca_paths(info.tls_dir).certificate)
+    return {"RINGQ_TLS_CA": ca, "RINGQ_USER": GUEST.user, "RINGQ_PASSWORD": GUEST.password}
 
 
 def await_every_node_live(info: cluster.ClusterInfo) -> None:

@@ -23,7 +23,8 @@ import pytest
 from ringq import aio
 from ringq.errors import NotFound, RingqError
 from services import cluster
-from tests.test_integration_queue import _client, _start
+from tests.clusters import connection
+from tests.test_integration_queue import _start
 
 pytestmark = pytest.mark.integration
 PUBLISHED = 5_000
@@ -34,7 +35,7 @@ async def _scenario(directory: Path) -> dict[str, float]:
     # Default failure detection: this test is about the disk, not about suspicion
     # while three processes restart at once.
     info = await _start(directory, node_args=[])
-    client = _client(info, "node1", "node2", "node3")
+    client = connection(info, "node1", "node2", "node3")
     queue = "ha.durable"
     declared = await client.declare_queue(queue, durable=True)
     assert declared.master_node == "node1"
@@ -68,7 +69,7 @@ async def _scenario(directory: Path) -> dict[str, float]:
     for node in ("node1", "node2", "node3"):
         cluster.start_node(directory, node)
     info = cluster.load(directory)
-    client = _client(info, "node1", "node2", "node3")
+    client = connection(info, "node1", "node2", "node3")
     deadline = time.monotonic() + 30
     while True:
         try:
@@ -89,8 +90,9 @@ async def _scenario(directory: Path) -> dict[str, float]:
         if len(delivered) == expected:
             delivery.ack(multiple=True)
             break
-    unacknowledged = {("orders", seq) for seq in range(1, PUBLISHED + 1)} - {("orders", seq) for seq in acked}
-    assert delivered == unacknowledged | {("marker", 1)}, "exactly the unacknowledged messages came back"
+    orders = producer.scoped_id  # as deliveries show it: scoped to the user on a TLS cluster
+    unacknowledged = {(orders, seq) for seq in range(1, PUBLISHED + 1)} - {(orders, seq) for seq in acked}
+    assert delivered == unacknowledged | {(marker.scoped_id, 1)}, "exactly the unacknowledged messages came back"
     for transient in ("ha.transient", "solo.transient"):
         await _wait_until_deleted(client, transient, 30)
     await client.close()
@@ -139,7 +141,7 @@ async def _wait_for_status(client: aio.Connection, queue: str, ready: Callable[[
 
 async def _master_stays_away(directory: Path) -> dict[str, float]:
     info = await _start(directory, node_args=["--recovery-wait-ms", "2000"])
-    client = _client(info, "node1", "node2", "node3")
+    client = connection(info, "node1", "node2", "node3")
     queue = "ha.recovered"
     await client.declare_queue(queue, durable=True)
     await _wait_for_status(client, queue, lambda s: len(s.synchronised_mirrors) == 2, 20)
@@ -153,7 +155,7 @@ async def _master_stays_away(directory: Path) -> dict[str, float]:
     restarted = time.monotonic()
     for node in ("node2", "node3"):  # node1, the master, stays away (its disk is gone, say)
         cluster.start_node(directory, node)
-    client = _client(cluster.load(directory), "node2", "node3")
+    client = connection(cluster.load(directory), "node2", "node3")
     status = await _wait_for_status(client, queue, lambda s: s.master_node in ("node2", "node3") and s.depth, 30)
     back_after = time.monotonic() - restarted
     assert status.depth == PUBLISHED, f"{status.depth} messages recovered, {PUBLISHED} confirmed"

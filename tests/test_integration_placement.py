@@ -12,35 +12,26 @@ by this (promotion is the queue's own business, with its synchronisation rules).
 from __future__ import annotations
 
 import asyncio
-import json
 import signal
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
-import grpc
 import pytest
 
 from ringq import aio
-from ringq.v1 import admin_pb2_grpc, cluster_pb2
 from services import cluster
+from tests.clusters import connection, set_policy
 from tests.test_integration_durable import _wait_for_status
-from tests.test_integration_queue import _client, _start
+from tests.test_integration_queue import _start
 
 pytestmark = pytest.mark.integration
 MESSAGES = 200
 
 
-async def _set_policy(info: cluster.ClusterInfo, name: str, pattern: str, definition: dict[str, object]) -> None:
-    policy = cluster_pb2.Policy(vhost="/", name=name, pattern=pattern, definition_json=json.dumps(definition))
-    async with grpc.aio.insecure_channel(info.coordinator.address) as channel:
-        stub = admin_pb2_grpc.AdminServiceStub(channel)
-        await stub.SetPolicy(cluster_pb2.SetPolicyRequest(policy=policy))
-
-
 async def _scenario(directory: Path) -> None:
     info = await _start(directory)
-    await _set_policy(info, "two", "^two\\.", {"ha-mode": "exactly", "ha-params": 2, "ha-sync-mode": "automatic"})
-    client = _client(info, "node1", "node2", "node3")
+    await set_policy(info, "two", "^two\\.", {"ha-mode": "exactly", "ha-params": 2, "ha-sync-mode": "automatic"})
+    client = connection(info, "node1", "node2", "node3")
     for queue in ("two.orders", "ha.orders"):
         declared = await client.declare_queue(queue, durable=True)
         assert declared.master_node == "node1"
@@ -68,7 +59,7 @@ async def _scenario(directory: Path) -> None:
 
 async def _paused_mirror(directory: Path) -> None:
     info = await _start(directory)  # ha.* on every node
-    client = _client(info, "node1", "node2")
+    client = connection(info, "node1", "node2")
     assert (await client.declare_queue("ha.paused", durable=True)).master_node == "node1"
     producer = client.producer("ha.paused", publisher_id="paused", persistent=True)
     assert await producer.publish_many([b"m"] * MESSAGES) == [aio.Outcome.CONFIRMED] * MESSAGES

@@ -12,7 +12,6 @@ Once with the consumer idle during the kill, once with it running.
 from __future__ import annotations
 
 import asyncio
-import json
 import signal
 import time
 from collections.abc import Iterator
@@ -22,23 +21,19 @@ import grpc
 import pytest
 
 from ringq import aio
-from ringq.v1 import admin_pb2_grpc, cluster_pb2, queue_pb2
+from ringq.v1 import queue_pb2
 from services import cluster
 from services.queue.service import MAX_DELIVERIES_PER_RESPONSE
-from tests.clusters import NODE_ARGS, every_node_live
+from tests.clusters import NODE_ARGS, connection, every_node_live, set_policy
 
 pytestmark = pytest.mark.integration
 TOTAL = 100_000
 
 
 async def _start(directory: Path, node_args: list[str] | None = None) -> cluster.ClusterInfo:
-    """A 3-node cluster whose queues named ha.* are mirrored on every node, synced automatically."""
-    info = cluster.up(3, directory, node_args=NODE_ARGS if node_args is None else node_args)
-    definition = {"ha-mode": "all", "ha-sync-mode": "automatic"}
-    policy = cluster_pb2.Policy(vhost="/", name="ha", pattern="^ha\\.", definition_json=json.dumps(definition))
-    async with grpc.aio.insecure_channel(info.coordinator.address) as channel:
-        stub = admin_pb2_grpc.AdminServiceStub(channel)
-        await stub.SetPolicy(cluster_pb2.SetPolicyRequest(policy=policy))
+    """A 3-node TLS cluster whose queues named ha.* are mirrored on every node, synced automatically."""
+    info = cluster.up(3, directory, node_args=NODE_ARGS if node_args is None else node_args, tls=True)
+    await set_policy(info, "ha", "^ha\\.", {"ha-mode": "all", "ha-sync-mode": "automatic"})
     await every_node_live(info)
     return info
 
@@ -50,11 +45,6 @@ def shared_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[cluster
         yield asyncio.run(_start(directory))
     finally:
         cluster.down(directory)
-
-
-def _client(info: cluster.ClusterInfo, *names: str) -> aio.Connection:
-    by_name = {n.name: n.address for n in info.nodes}
-    return aio.Connection([by_name[n] for n in names])
 
 
 async def _code(call: object) -> tuple[grpc.StatusCode, str]:
@@ -71,7 +61,7 @@ def test_a_large_message_goes_through_a_relaying_node(shared_cluster: cluster.Cl
     that is not the master's."""
 
     async def scenario() -> None:
-        on1, on3 = _client(shared_cluster, "node1"), _client(shared_cluster, "node3")
+        on1, on3 = connection(shared_cluster, "node1"), connection(shared_cluster, "node3")
         await on1.declare_queue("large")  # master on node1
         body = bytes(range(256)) * (12 * 1024 * 1024 // 256)  # 12 MiB
         producer = on3.producer("large")  # relayed by node3
@@ -89,7 +79,7 @@ def test_a_large_message_goes_through_a_relaying_node(shared_cluster: cluster.Cl
 
 def test_queue_operations_through_any_node(shared_cluster: cluster.ClusterInfo) -> None:
     async def scenario() -> None:
-        on1, on2, on3 = (_client(shared_cluster, n) for n in ("node1", "node2", "node3"))
+        on1, on2, on3 = (connection(shared_cluster, n) for n in ("node1", "node2", "node3"))
         info = await on1.declare_queue("plain")
         assert info.master_node == "node1" and list(info.mirrors) == []
         producer = on2.producer("plain")  # forwarded to node1
@@ -110,8 +100,8 @@ def test_queue_operations_through_any_node(shared_cluster: cluster.ClusterInfo) 
             await asyncio.sleep(0.02)
         assert await on3.purge_queue("plain") == 1
         assert await on2.delete_queue("plain") == 0
-        for connection in (on1, on2, on3):
-            await connection.close()
+        for opened in (on1, on2, on3):
+            await opened.close()
 
     asyncio.run(scenario())
 
@@ -125,7 +115,7 @@ def test_consume_responses_carry_the_ready_deliveries_in_order(
     count = 300  # more than one response holds
 
     async def scenario() -> None:
-        on1, client = _client(shared_cluster, "node1"), _client(shared_cluster, through)
+        on1, client = connection(shared_cluster, "node1"), connection(shared_cluster, through)
         queue = f"batched.{through}"
         assert (await on1.declare_queue(queue)).master_node == "node1"
         bodies = [f"m{seq}".encode() for seq in range(1, count + 1)]
@@ -152,15 +142,15 @@ def test_consume_responses_carry_the_ready_deliveries_in_order(
         assert await call.code() == grpc.StatusCode.OK
         assert (await client.queue_status(queue)).depth == 0, "the acks were applied before the stream ended"
         await on1.delete_queue(queue)
-        for connection in (on1, client):
-            await connection.close()
+        for opened in (on1, client):
+            await opened.close()
 
     asyncio.run(scenario())
 
 
 def test_bad_input_gets_clear_statuses(shared_cluster: cluster.ClusterInfo) -> None:
     async def scenario() -> None:
-        client = _client(shared_cluster, "node2")
+        client = connection(shared_cluster, "node2")
         stub = client.stub()
         code, message = await _code(stub.QueueStatus(queue_pb2.QueueStatusRequest(queue=client.ref("no-such-queue"))))
         assert code == grpc.StatusCode.NOT_FOUND and "no-such-queue" in message
@@ -200,7 +190,7 @@ def test_bad_input_gets_clear_statuses(shared_cluster: cluster.ClusterInfo) -> N
 
 async def _failover(directory: Path, consume_during: bool) -> dict[str, float]:
     info = await _start(directory)
-    client = _client(info, "node1", "node2", "node3")
+    client = connection(info, "node1", "node2", "node3")
     queue = "ha.orders"
     declared = await client.declare_queue(queue, durable=True)
     master = declared.master_node
@@ -213,7 +203,7 @@ async def _failover(directory: Path, consume_during: bool) -> dict[str, float]:
     order_violations: list[tuple[int, int]] = []
     redelivered = 0
     last_fresh = 0
-    consumer = _client(info, *[n.name for n in info.nodes if n.name != master])
+    consumer = connection(info, *[n.name for n in info.nodes if n.name != master])
 
     async def consume(until: int) -> None:
         nonlocal redelivered, last_fresh
