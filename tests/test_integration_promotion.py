@@ -12,7 +12,6 @@ with manual sync, so they join empty and stay unsynchronised. Kill the master:
 from __future__ import annotations
 
 import asyncio
-import json
 import signal
 import time
 from pathlib import Path
@@ -22,29 +21,24 @@ import pytest
 
 from ringq import aio
 from ringq.errors import RingqError, Unavailable
-from ringq.v1 import admin_pb2_grpc, cluster_pb2, queue_pb2
+from ringq.v1 import queue_pb2
 from services import cluster
-from tests.clusters import NODE_ARGS, every_node_live
+from tests.clusters import NODE_ARGS, connection, every_node_live, set_policy
 
 pytestmark = pytest.mark.integration
 MESSAGES = 500
 
 
-async def _policy(info: cluster.ClusterInfo, definition: dict[str, object]) -> None:
-    policy = cluster_pb2.Policy(vhost="/", name="ha", pattern="^ha\\.", definition_json=json.dumps(definition))
-    async with grpc.aio.insecure_channel(info.coordinator.address) as channel:
-        await admin_pb2_grpc.AdminServiceStub(channel).SetPolicy(cluster_pb2.SetPolicyRequest(policy=policy))
-
-
 async def _unsynchronised_mirrors(directory: Path, promote: str) -> tuple[cluster.ClusterInfo, aio.Connection]:
-    info = cluster.up(3, directory, node_args=NODE_ARGS)
-    await _policy(info, {"ha-mode": "exactly", "ha-params": 1})  # master only
+    info = cluster.up(3, directory, node_args=NODE_ARGS, tls=True)
+    await set_policy(info, "ha", "^ha\\.", {"ha-mode": "exactly", "ha-params": 1})  # master only
     await every_node_live(info)
-    by_name = {n.name: n.address for n in info.nodes}
-    client = aio.Connection([by_name["node1"], by_name["node2"], by_name["node3"]])
+    client = connection(info, "node1", "node2", "node3")
     await client.declare_queue("ha.q", durable=True)
     await client.producer("ha.q", persistent=True).publish_many([b"%d" % i for i in range(MESSAGES)])
-    await _policy(info, {"ha-mode": "all", "ha-sync-mode": "manual", "ha-promote-on-failure": promote})
+    await set_policy(
+        info, "ha", "^ha\\.", {"ha-mode": "all", "ha-sync-mode": "manual", "ha-promote-on-failure": promote}
+    )
     deadline = time.monotonic() + 20
     while len((status := await client.queue_status("ha.q")).mirrors) < 2:
         assert time.monotonic() < deadline, "mirrors were not added"
@@ -60,7 +54,7 @@ async def _when_synced(directory: Path) -> None:
     cluster.kill(directory, "node1", signal.SIGKILL)
     await asyncio.sleep(3.0)  # well past the failure timeout
     # retry_for 0: one attempt, no retries on the other survivor
-    survivors = aio.Connection([n.address for n in info.nodes if n.name != "node1"], retry_for=0)
+    survivors = connection(info, "node2", "node3", retry_for=0)
     try:
         await survivors.queue_status("ha.q")
         raise AssertionError("the queue answered without a master")
@@ -78,7 +72,7 @@ async def _when_synced(directory: Path) -> None:
     except grpc.aio.AioRpcError as refused:
         assert refused.code() == grpc.StatusCode.UNAVAILABLE and "retry" in (refused.details() or ""), refused
     cluster.start_node(directory, "node1")
-    restarted = aio.Connection([n.address for n in cluster.load(directory).nodes], retry_for=5)
+    restarted = connection(cluster.load(directory), retry_for=5)
     deadline = time.monotonic() + 30
     while True:
         try:
@@ -97,7 +91,7 @@ async def _when_synced(directory: Path) -> None:
 async def _always(directory: Path) -> None:
     info, client = await _unsynchronised_mirrors(directory, "always")
     cluster.kill(directory, "node1", signal.SIGKILL)
-    survivors = aio.Connection([n.address for n in info.nodes if n.name != "node1"], retry_for=5)
+    survivors = connection(info, "node2", "node3", retry_for=5)
     deadline = time.monotonic() + 20
     while True:
         try:

@@ -10,26 +10,16 @@ Nothing is lost: the depth at the end is everything published.
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from pathlib import Path
 
-import grpc
 import pytest
 
-from ringq import aio
-from ringq.v1 import admin_pb2_grpc, cluster_pb2
 from services import cluster
-from tests.clusters import NODE_ARGS, every_node_live
+from tests.clusters import NODE_ARGS, connection, every_node_live, set_policy
 
 pytestmark = pytest.mark.integration
 BACKLOG = 20_000
-
-
-async def _policy(info: cluster.ClusterInfo, definition: dict[str, object]) -> None:
-    policy = cluster_pb2.Policy(vhost="/", name="ha", pattern="^ha\\.", definition_json=json.dumps(definition))
-    async with grpc.aio.insecure_channel(info.coordinator.address) as channel:
-        await admin_pb2_grpc.AdminServiceStub(channel).SetPolicy(cluster_pb2.SetPolicyRequest(policy=policy))
 
 
 async def _wait(condition: object, what: str, timeout: float = 60) -> None:
@@ -40,10 +30,10 @@ async def _wait(condition: object, what: str, timeout: float = 60) -> None:
 
 
 async def _scenario(directory: Path) -> dict[str, float]:
-    info = cluster.up(3, directory, node_args=NODE_ARGS)
-    await _policy(info, {"ha-mode": "exactly", "ha-params": 2, "ha-sync-mode": "automatic"})
+    info = cluster.up(3, directory, node_args=NODE_ARGS, tls=True)
+    await set_policy(info, "ha", "^ha\\.", {"ha-mode": "exactly", "ha-params": 2, "ha-sync-mode": "automatic"})
     await every_node_live(info)
-    client = aio.Connection([n.address for n in info.nodes])
+    client = connection(info)
     await client.declare_queue("ha.sync")
 
     async def two_synchronised() -> bool:
@@ -66,7 +56,7 @@ async def _scenario(directory: Path) -> dict[str, float]:
     publishing = asyncio.ensure_future(publish_forever())
     await asyncio.sleep(0.5)
     sync_started = time.monotonic()
-    await _policy(info, {"ha-mode": "all", "ha-sync-mode": "automatic"})
+    await set_policy(info, "ha", "^ha\\.", {"ha-mode": "all", "ha-sync-mode": "automatic"})
 
     async def three_synchronised() -> bool:
         return len((await client.queue_status("ha.sync")).synchronised_mirrors) == 2
@@ -76,7 +66,7 @@ async def _scenario(directory: Path) -> dict[str, float]:
     during = sorted(ms for when, ms in latencies if sync_started <= when <= sync_started + sync_seconds)
     assert len(during) >= 5, "publishing stalled during the sync"
 
-    await _policy(info, {"ha-mode": "exactly", "ha-params": 2, "ha-sync-mode": "automatic"})
+    await set_policy(info, "ha", "^ha\\.", {"ha-mode": "exactly", "ha-params": 2, "ha-sync-mode": "automatic"})
 
     async def back_to_two() -> bool:
         return len((await client.queue_status("ha.sync")).mirrors) == 1
