@@ -12,6 +12,7 @@ import pytest
 
 from ringq.group import GroupMembership
 from services import cluster
+from tests.clusters import access
 
 pytestmark = pytest.mark.integration
 FAILURE_TIMEOUT_S = 5.0
@@ -19,8 +20,8 @@ NODE_ARGS = ["--failure-timeout-ms", str(int(FAILURE_TIMEOUT_S * 1000)), "--hear
 
 
 async def _time_to_death(directory: Path, how: signal.Signals) -> float:
-    info = cluster.up(3, directory, node_args=NODE_ARGS)
-    members = {n.name: await GroupMembership.join(n.address, "watched") for n in info.nodes}
+    info = cluster.up(3, directory, node_args=NODE_ARGS, tls=True)
+    members = {n.name: await GroupMembership.join(n.address, "watched", **access(info)) for n in info.nodes}
     try:
         dead = members["node3"].member_id
         await asyncio.sleep(0.5)  # links up between every pair of neighbours

@@ -18,6 +18,7 @@ import pytest
 
 from ringq.group import DeliveryCheck, GroupMembership
 from services import cluster
+from tests.clusters import access
 
 pytestmark = pytest.mark.integration
 
@@ -25,9 +26,11 @@ NODE_ARGS = ["--failure-timeout-ms", "600", "--heartbeat-interval-ms", "100", "-
 
 
 async def _scenario(directory: Path) -> dict[str, float]:
-    info = cluster.up(3, directory, node_args=NODE_ARGS)
+    info = cluster.up(3, directory, node_args=NODE_ARGS, tls=True)
     addresses = {node.name: node.address for node in info.nodes}
-    members = {name: await GroupMembership.join(address, "outage") for name, address in addresses.items()}
+    members = {
+        name: await GroupMembership.join(address, "outage", **access(info)) for name, address in addresses.items()
+    }
     checks = {name: DeliveryCheck(m.joined) for name, m in members.items()}
     followers = [asyncio.ensure_future(checks[name].follow(m)) for name, m in members.items()]
     publisher = members["node1"]

@@ -26,6 +26,7 @@ import pytest
 from ringq.errors import RingqError
 from ringq.group import DeliveryCheck, GroupMembership
 from services import cluster
+from tests.clusters import access
 
 pytestmark = pytest.mark.integration
 
@@ -74,11 +75,11 @@ async def _wait_for(condition: Callable[[], bool], timeout: float, what: str) ->
 
 
 async def _scenario(directory: Path) -> dict[str, float]:
-    info = cluster.up(3, directory, node_args=NODE_ARGS)
+    info = cluster.up(3, directory, node_args=NODE_ARGS, tls=True)
     addresses = {node.name: node.address for node in info.nodes}
-    a = await GroupMembership.join(addresses["node1"], "ring-it")
-    b = await GroupMembership.join(addresses["node2"], "ring-it")
-    c = await GroupMembership.join(addresses["node3"], "ring-it")
+    a = await GroupMembership.join(addresses["node1"], "ring-it", **access(info))
+    b = await GroupMembership.join(addresses["node2"], "ring-it", **access(info))
+    c = await GroupMembership.join(addresses["node3"], "ring-it", **access(info))
     recorders = {m.member_id: DeliveryCheck(m.joined, keep_bodies=True) for m in (a, b, c)}
     readers = [asyncio.ensure_future(recorders[m.member_id].follow(m)) for m in (a, b, c)]
     publishers = [Publisher(a), Publisher(b)]
@@ -91,7 +92,7 @@ async def _scenario(directory: Path) -> dict[str, float]:
     killed_at = time.monotonic()
     await _wait_for(lambda: sum(p.confirmed for p in publishers) >= total * 0.5, 60, "50% confirmed")
     node4 = cluster.start_node(directory, "node4")
-    d = await GroupMembership.join(node4.address, "ring-it")
+    d = await GroupMembership.join(node4.address, "ring-it", **access(info))
     started_before_join = {p.membership.member_id: p.started for p in publishers}
     recorders[d.member_id] = DeliveryCheck(d.joined, keep_bodies=True)
     readers.append(asyncio.ensure_future(recorders[d.member_id].follow(d)))
@@ -137,11 +138,11 @@ def test_broadcast_through_a_kill_and_a_join(tmp_path: Path, run: int) -> None:
 
 async def _paused_node_scenario(directory: Path) -> float:
     # A slow fallback: only the nodes' group watch can tell the paused member in time.
-    info = cluster.up(3, directory, node_args=[*NODE_ARGS, "--membership-check-ms", "60000"])
+    info = cluster.up(3, directory, node_args=[*NODE_ARGS, "--membership-check-ms", "60000"], tls=True)
     addresses = {node.name: node.address for node in info.nodes}
-    a = await GroupMembership.join(addresses["node1"], "paused")
-    b = await GroupMembership.join(addresses["node2"], "paused")
-    c = await GroupMembership.join(addresses["node3"], "paused")
+    a = await GroupMembership.join(addresses["node1"], "paused", **access(info))
+    b = await GroupMembership.join(addresses["node2"], "paused", **access(info))
+    c = await GroupMembership.join(addresses["node3"], "paused", **access(info))
     checks = {m.member_id: DeliveryCheck(m.joined) for m in (a, b)}
     followers = [asyncio.ensure_future(checks[m.member_id].follow(m)) for m in (a, b)]
     c_ended: asyncio.Future[grpc.StatusCode] = asyncio.get_running_loop().create_future()
