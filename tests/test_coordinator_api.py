@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import subprocess
 import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -18,6 +19,7 @@ from ringq.v1 import admin_pb2, admin_pb2_grpc, cluster_pb2
 from services import cluster
 from services.coordinator.server import create_server
 from services.coordinator.sqlite_store import SqliteStore
+from tests.clusters import ctl_env
 
 Stub = coordinator_pb2_grpc.CoordinatorServiceStub
 AdminStub = admin_pb2_grpc.AdminServiceStub
@@ -212,38 +214,39 @@ def test_cluster_status_shows_liveness_coordinators_and_store(tmp_path: Path) ->
 # ------------------------------------------------------------------------------------------------ ringqctl
 
 
-def ringqctl(node: str, *args: str) -> subprocess.CompletedProcess[str]:
-    command = [sys.executable, "-m", "ringq.ctl", "--node", node, *args]
-    return subprocess.run(command, capture_output=True, text=True, timeout=30, stdin=subprocess.DEVNULL)
+def ringqctl(info: cluster.ClusterInfo, *args: str) -> subprocess.CompletedProcess[str]:
+    """ringqctl `args` through the first node of `info` (as guest over TLS on a TLS cluster)."""
+    command = [sys.executable, "-m", "ringq.ctl", "--node", info.nodes[0].address, *args]
+    env = os.environ | ctl_env(info)
+    return subprocess.run(command, capture_output=True, text=True, timeout=30, stdin=subprocess.DEVNULL, env=env)
 
 
 def test_ringqctl_administers_the_cluster_through_a_node(tmp_path: Path) -> None:
     """Every cluster command goes to a node's AdminService, which answers from the coordinator."""
-    info = cluster.up(1, tmp_path / "cluster")
+    info = cluster.up(1, tmp_path / "cluster", tls=True)
     try:
-        address = info.nodes[0].address
         result = ringqctl(
-            address, "set_policy", "ha-two", "^ha\\.", '{"ha-mode":"exactly","ha-params":2}', "--priority", "3"
+            info, "set_policy", "ha-two", "^ha\\.", '{"ha-mode":"exactly","ha-params":2}', "--priority", "3"
         )
         assert result.returncode == 0, result.stderr
         assert "policy 'ha-two' set" in result.stdout
-        listed = json.loads(ringqctl(address, "--json", "list_policies").stdout)
+        listed = json.loads(ringqctl(info, "--json", "list_policies").stdout)
         assert listed["policies"][0]["name"] == "ha-two" and listed["policies"][0]["priority"] == 3
-        table = ringqctl(address, "list_policies").stdout
+        table = ringqctl(info, "list_policies").stdout
         assert 'ha-mode="exactly" ha-params=2' in table
-        refused = ringqctl(address, "set_policy", "bad", "^x", '{"ha-mode":"exactly"}')
+        refused = ringqctl(info, "set_policy", "bad", "^x", '{"ha-mode":"exactly"}')
         assert refused.returncode == 1 and refused.stderr.count("\n") == 1
         assert refused.stderr.startswith("ringqctl: INVALID_ARGUMENT: ha-params")
         for command in ("cluster_status", "list_queues", "list_leases"):
-            shown = ringqctl(address, "--json", command)
+            shown = ringqctl(info, "--json", command)
             assert shown.returncode == 0 and isinstance(json.loads(shown.stdout), dict), (command, shown.stderr)
-        status = json.loads(ringqctl(address, "--json", "cluster_status").stdout)
+        status = json.loads(ringqctl(info, "--json", "cluster_status").stdout)
         assert status["store_kind"] == "sqlite"
-        cleared = ringqctl(address, "clear_policy", "ha-two")
+        cleared = ringqctl(info, "clear_policy", "ha-two")
         assert cleared.returncode == 0 and "cleared" in cleared.stdout
-        unknown = ringqctl(address, "clear_policy", "ha-two")
+        unknown = ringqctl(info, "clear_policy", "ha-two")
         assert unknown.returncode == 1 and unknown.stderr.startswith("ringqctl: NOT_FOUND")
-        nobody = ringqctl(address, "drain_node", "node9")
+        nobody = ringqctl(info, "drain_node", "node9")
         assert nobody.returncode == 1 and nobody.stderr.count("\n") == 1, nobody.stderr
         assert nobody.stderr.startswith("ringqctl: NOT_FOUND"), nobody.stderr
     finally:

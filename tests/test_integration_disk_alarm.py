@@ -22,7 +22,7 @@ def test_a_node_below_its_disk_free_limit_shows_the_alarm(tmp_path: Path) -> Non
     limit_mb = stats.f_bavail * stats.f_frsize // MEBIBYTE + 1024  # a GiB more than the disk has free
     directory = tmp_path / "cluster"
     try:
-        info = cluster.up(1, directory, node_args=[*NODE_ARGS, "--disk-free-limit-mb", str(limit_mb)])
+        info = cluster.up(1, directory, node_args=[*NODE_ARGS, "--disk-free-limit-mb", str(limit_mb)], tls=True)
         deadline = time.monotonic() + 20
         while not (node := as_json(info, "cluster_status")["nodes"][0]).get("disk_alarm"):
             assert time.monotonic() < deadline, f"no disk alarm reported: {node}"

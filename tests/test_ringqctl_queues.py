@@ -20,10 +20,9 @@ from typing import Any
 
 import pytest
 
-from ringq import aio
 from ringq import ctl as ringqctl
 from services import cluster
-from tests.clusters import NODE_ARGS, await_every_node_live
+from tests.clusters import NODE_ARGS, await_every_node_live, connection, ctl_env
 
 pytestmark = pytest.mark.integration
 
@@ -32,7 +31,7 @@ pytestmark = pytest.mark.integration
 def info(tmp_path_factory: pytest.TempPathFactory) -> Iterator[cluster.ClusterInfo]:
     directory = tmp_path_factory.mktemp("ringqctl")
     try:
-        started = cluster.up(3, directory, node_args=NODE_ARGS)
+        started = cluster.up(3, directory, node_args=NODE_ARGS, tls=True)
         await_every_node_live(started)
         yield started
     finally:
@@ -48,7 +47,7 @@ def dead_address() -> Iterator[str]:
 
 
 def ctl(info: cluster.ClusterInfo, *args: str, node_env: str | None = None) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("RINGQ_NODE", "RINGQ_COORDINATOR")}
+    env = {k: v for k, v in os.environ.items() if k not in ("RINGQ_NODE", "RINGQ_COORDINATOR")} | ctl_env(info)
     if node_env is not None:
         env["RINGQ_NODE"] = node_env
     nodes = [] if node_env is not None else ["--node", ",".join(info.node_addresses)]
@@ -98,7 +97,7 @@ def test_declare_list_consumers_purge_and_delete(info: cluster.ClusterInfo) -> N
     assert queue_entry(info, "capped")["arguments"] == {"x-max-length": "10", "x-overflow": '"reject-publish"'}
 
     async def publish_and_consume() -> None:
-        client = aio.Connection([n.address for n in info.nodes])
+        client = connection(info)
         await client.producer("plain").publish_many([b"m1", b"m2", b"m3"])
         entry = await asyncio.to_thread(queue_entry, info, "plain")
         assert (entry["depth"], entry["unacked"], entry["consumers"], entry["status"]) == ("3", "0", 0, "running")
@@ -139,7 +138,7 @@ def test_declare_list_consumers_purge_and_delete(info: cluster.ClusterInfo) -> N
 
 def test_manual_sync_and_cancel(info: cluster.ClusterInfo) -> None:
     async def publish() -> None:
-        client = aio.Connection([info.nodes[0].address])
+        client = connection(info, "node1")
         await client.declare_queue("manual.q")
         await client.producer("manual.q").publish_many([b"a", b"b", b"c"])
         await client.close()
@@ -202,7 +201,10 @@ def test_global_options_come_before_or_after_the_command(info: cluster.ClusterIn
     )
     # --node after the command: the dead node given before it is not used
     command = [sys.executable, "-m", "ringq.ctl", "--node", dead_address, "cluster_status", "--json"]
-    done = subprocess.run([*command, "--node", info.nodes[0].address], capture_output=True, text=True, timeout=30)
+    env = os.environ | ctl_env(info)
+    done = subprocess.run(
+        [*command, "--node", info.nodes[0].address], capture_output=True, text=True, timeout=30, env=env
+    )
     assert done.returncode == 0 and len(json.loads(done.stdout)["nodes"]) == 3, done.stderr
     parsed = ringqctl.parser().parse_args(["--user", "admin", "--password", "x", "list_permissions", "--user", "bob"])
     assert (parsed.auth_user, parsed.user) == ("admin", "bob"), "list_permissions --user filters, as before"
