@@ -36,7 +36,7 @@ from services.queue.metrics import (
     ROUND_TRIP,
     SERVING,
 )
-from tests.clusters import NODE_ARGS
+from tests.clusters import NODE_ARGS, access
 
 pytestmark = pytest.mark.integration
 
@@ -92,14 +92,14 @@ def test_nodes_export_queue_metrics_and_spans_over_otlp(
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_INSECURE", "true")
     monkeypatch.setenv("OTEL_METRIC_EXPORT_INTERVAL", "300")
     monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "200")
-    info = cluster.up(3, tmp_path, node_args=NODE_ARGS)  # the nodes inherit the environment
+    info = cluster.up(3, tmp_path, node_args=NODE_ARGS, tls=True)  # the nodes inherit the environment
     try:
         monkeypatch.delenv("OTEL_EXPORTER_OTLP_ENDPOINT")  # this process does not export: no client tracing
 
         masters: list[str] = []
 
         async def traffic() -> None:
-            async with aio.Connection([n.address for n in info.nodes]) as connection:
+            async with aio.Connection(info.node_addresses, **access(info)) as connection:
                 masters.append((await connection.declare_queue("metered")).master_node)
                 await connection.producer("metered").publish_many([b"x"] * 50)
                 consumer = connection.consumer("metered", prefetch=10)
@@ -179,13 +179,14 @@ def test_nodes_export_over_otlp_http_when_the_protocol_says_so(tmp_path: Path, m
         monkeypatch.setenv("OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf")
         monkeypatch.setenv("OTEL_METRIC_EXPORT_INTERVAL", "300")
         monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "200")
-        info = cluster.up(3, tmp_path, node_args=NODE_ARGS)
+        info = cluster.up(3, tmp_path, node_args=NODE_ARGS, tls=True)
         try:
 
             async def traffic() -> None:
                 # A provider of the application's, exporting nowhere: the messages carry trace context,
                 # so the nodes record their spans.
-                async with aio.Connection([n.address for n in info.nodes], tracer_provider=TracerProvider()) as c:
+                connected = aio.Connection(info.node_addresses, **access(info), tracer_provider=TracerProvider())
+                async with connected as c:
                     await c.declare_queue("metered.http")
                     await c.producer("metered.http").publish_many([b"x"] * 5)
 

@@ -25,7 +25,7 @@ from prometheus_client.samples import Sample
 
 import ringq
 from services import cluster
-from tests.clusters import NODE_ARGS
+from tests.clusters import NODE_ARGS, access
 from tests.zookeeper import free_port
 
 pytestmark = pytest.mark.integration
@@ -67,7 +67,7 @@ def node(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[clus
     for variable in [v for v in os.environ if v.startswith("OTEL_")]:
         monkeypatch.delenv(variable)  # no OTLP: --prometheus alone turns metrics on
     address = f"127.0.0.1:{free_port()}"
-    info = cluster.up(1, tmp_path / "cluster", node_args=[*NODE_ARGS, "--prometheus", address])
+    info = cluster.up(1, tmp_path / "cluster", node_args=[*NODE_ARGS, "--prometheus", address], tls=True)
     try:
         yield info, address
     finally:
@@ -76,7 +76,7 @@ def node(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[clus
 
 def test_a_scrape_shows_the_queues_the_node_masters(node: tuple[cluster.ClusterInfo, str]) -> None:
     info, address = node
-    with ringq.Connection(info.node_addresses) as connection:
+    with ringq.Connection(info.node_addresses, **access(info)) as connection:
         connection.declare_queue(QUEUE)
         connection.declare_queue(IDLE)
         producer = connection.producer(QUEUE)

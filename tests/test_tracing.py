@@ -15,10 +15,9 @@ import pytest
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 
-from ringq import aio
 from services import cluster
 from services.telemetry import JsonLinesSpanExporter
-from tests.clusters import NODE_ARGS, every_node_live
+from tests.clusters import NODE_ARGS, connection, every_node_live, scoped, set_policy
 
 pytestmark = pytest.mark.integration
 
@@ -26,7 +25,7 @@ pytestmark = pytest.mark.integration
 @pytest.fixture
 def traced_cluster(tmp_path: Path) -> Iterator[tuple[cluster.ClusterInfo, Path]]:
     spans = tmp_path / "spans"
-    info = cluster.up(3, tmp_path / "cluster", node_args=[*NODE_ARGS, "--trace-dir", str(spans)])
+    info = cluster.up(3, tmp_path / "cluster", node_args=[*NODE_ARGS, "--trace-dir", str(spans)], tls=True)
     try:
         yield info, spans
     finally:
@@ -46,20 +45,16 @@ def test_one_message_one_trace_across_processes(traced_cluster: tuple[cluster.Cl
     )
 
     async def scenario() -> None:
-        admin = aio.Admin(info.node_addresses)
-        await admin.set_policy("ha", "^ha\\.", {"ha-mode": "all", "ha-sync-mode": "automatic"})
-        await admin.close()
+        await set_policy(info, "ha", "^ha\\.", {"ha-mode": "all", "ha-sync-mode": "automatic"})
         await every_node_live(info)  # the queue is placed on all three
-        async with aio.Connection(
-            [n.address for n in info.nodes], name="tracer", tracer_provider=provider
-        ) as connection:
-            await connection.declare_queue("ha.traced")
+        async with connection(info, name="tracer", tracer_provider=provider) as connected:
+            await connected.declare_queue("ha.traced")
             deadline = time.monotonic() + 20
-            while len((await connection.queue_status("ha.traced")).synchronised_mirrors) < 2:
+            while len((await connected.queue_status("ha.traced")).synchronised_mirrors) < 2:
                 assert time.monotonic() < deadline, "mirrors never synchronised"
                 await asyncio.sleep(0.1)
-            await connection.producer("ha.traced", publisher_id="tracer").publish(b"follow me")
-            consumer = connection.consumer("ha.traced", prefetch=1)
+            await connected.producer("ha.traced", publisher_id="tracer").publish(b"follow me")
+            consumer = connected.consumer("ha.traced", prefetch=1)
             delivery = await anext(aiter(consumer))
             assert delivery.ack()
             await asyncio.sleep(0.3)  # the ack reaches the master
@@ -84,7 +79,7 @@ def test_one_message_one_trace_across_processes(traced_cluster: tuple[cluster.Cl
         "messaging.message.body.size": len(b"follow me"),
         "server.address": "127.0.0.1",
         "server.port": publish[0]["attributes"]["server.port"],  # type: ignore[index]
-        "ringq.publisher": "tracer",
+        "ringq.publisher": scoped(info, "tracer"),  # as the queue keeps it
         "ringq.seq": 1,
         "ringq.outcome": "confirmed",
     }
