@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from ringq import aio
-from tests.clusters import live_cluster
+from tests.clusters import access, live_cluster
 
 pytestmark = pytest.mark.integration
 
@@ -27,8 +27,8 @@ def test_a_policy_limit_set_and_cleared_reaches_a_running_queue(tmp_path: Path) 
     with live_cluster(tmp_path / "cluster", {}, nodes=1) as info:
 
         async def scenario() -> None:
-            connection = aio.Connection([info.nodes[0].address], retry_for=10)
-            async with connection, aio.Admin(info.node_addresses) as admin:
+            connection = aio.Connection([info.nodes[0].address], retry_for=10, **access(info))
+            async with connection, aio.Admin(info.node_addresses, **access(info)) as admin:
                 await connection.declare_queue("capped.q")
                 producer = connection.producer("capped.q")
                 await producer.publish_many([b"%d" % i for i in range(10)])

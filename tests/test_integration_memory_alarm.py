@@ -14,7 +14,7 @@ import pytest
 
 from ringq import aio
 from services import cluster
-from tests.clusters import NODE_ARGS, live_cluster
+from tests.clusters import NODE_ARGS, access, live_cluster
 
 pytestmark = pytest.mark.integration
 HEADROOM_MIB = 60  # the watermark: this far above the idle node's memory
@@ -39,7 +39,7 @@ async def _alarm_shown(admin: aio.Admin, on: bool, seconds: float = 10.0) -> boo
 
 
 def test_a_fast_producer_is_blocked_at_the_watermark_and_resumes_after_a_drain(tmp_path: Path) -> None:
-    probe = cluster.up(1, tmp_path / "probe", node_args=NODE_ARGS)  # the idle node's memory, measured
+    probe = cluster.up(1, tmp_path / "probe", node_args=NODE_ARGS, tls=True)  # the idle node's memory, measured
     idle_mib = _rss_mib(probe.nodes[0].pid)
     cluster.down(tmp_path / "probe")
     watermark_mib = int(idle_mib) + HEADROOM_MIB
@@ -48,8 +48,8 @@ def test_a_fast_producer_is_blocked_at_the_watermark_and_resumes_after_a_drain(t
         node = info.nodes[0]
 
         async def scenario() -> None:
-            connection = aio.Connection([node.address], retry_for=120)
-            async with connection, aio.Admin(info.node_addresses) as admin:
+            connection = aio.Connection([node.address], retry_for=120, **access(info))
+            async with connection, aio.Admin(info.node_addresses, **access(info)) as admin:
                 await connection.declare_queue("flood")
                 producer = connection.producer("flood", window=2000, batch=100)
                 published = 0

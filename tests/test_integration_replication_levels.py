@@ -16,7 +16,7 @@ import pytest
 from ringq import aio
 from ringq.errors import RingqError
 from services import cluster
-from tests.clusters import live_cluster
+from tests.clusters import access, live_cluster
 
 pytestmark = pytest.mark.integration
 LEVEL_POLICIES = {
@@ -35,7 +35,7 @@ def test_wiring_keeps_the_queue_available_but_not_its_messages(levels_cluster: c
     info = levels_cluster
 
     async def scenario() -> None:
-        async with aio.Connection([n.address for n in info.nodes], retry_for=2) as connection:
+        async with aio.Connection(info.node_addresses, retry_for=2, **access(info)) as connection:
             declared = await connection.declare_queue("wiring.q")
             assert len(declared.mirrors) == 2, "the queue itself is on every node"
             deadline = time.monotonic() + 15
@@ -67,7 +67,7 @@ def test_wiring_keeps_the_queue_available_but_not_its_messages(levels_cluster: c
 
 def test_none_places_no_mirror(levels_cluster: cluster.ClusterInfo) -> None:
     async def scenario() -> None:
-        async with aio.Connection([n.address for n in levels_cluster.nodes]) as connection:
+        async with aio.Connection(levels_cluster.node_addresses, **access(levels_cluster)) as connection:
             declared = await connection.declare_queue("local.q")
             assert declared.master_node and not declared.mirrors
             await connection.producer("local.q").publish_many([b"x"])

@@ -16,7 +16,7 @@ import pytest
 import ringq
 from ringq import aio
 from services import cluster
-from tests.clusters import live_cluster
+from tests.clusters import access, live_cluster
 
 pytestmark = pytest.mark.integration
 
@@ -33,7 +33,8 @@ def _addresses(info: cluster.ClusterInfo) -> list[str]:
 
 def test_blocking_publish_consume_ack_with_history(sdk_cluster: cluster.ClusterInfo, tmp_path: Path) -> None:
     history = tmp_path / "history.jsonl"
-    with ringq.Connection(_addresses(sdk_cluster), name="sdk-test", history=str(history)) as connection:
+    connected = ringq.Connection(_addresses(sdk_cluster), name="sdk-test", history=str(history), **access(sdk_cluster))
+    with connected as connection:
         info = connection.declare_queue("ha.blocking")
         assert isinstance(info, ringq.models.QueueStatus) and (info.name, info.vhost) == ("ha.blocking", "/")
         assert info.master_node and info.status.startswith("running") and info.depth == 0
@@ -56,7 +57,7 @@ def test_blocking_publish_consume_ack_with_history(sdk_cluster: cluster.ClusterI
         consumer = connection.consumer("ha.blocking", prefetch=100)
         seqs = []
         for delivery in consumer:
-            assert delivery.publisher == "p1" and not delivery.redelivered
+            assert delivery.publisher == producer.aio.scoped_id and not delivery.redelivered
             seqs.append(delivery.seq)
             assert delivery.ack()
             if len(seqs) == 2000:
@@ -75,7 +76,8 @@ def test_blocking_publish_consume_ack_with_history(sdk_cluster: cluster.ClusterI
 
 def test_asyncio_api_requeue_get_and_settle(sdk_cluster: cluster.ClusterInfo) -> None:
     async def scenario() -> None:
-        async with aio.Connection(_addresses(sdk_cluster)[1:]) as connection:  # not the master's node
+        # Not through the master's node.
+        async with aio.Connection(_addresses(sdk_cluster)[1:], **access(sdk_cluster)) as connection:
             await connection.declare_queue("ha.async")
             producer = connection.producer("ha.async")
             assert await producer.publish_many([b"a", b"b", b"c"]) == [aio.Outcome.CONFIRMED] * 3
@@ -101,7 +103,7 @@ def test_status_counts_unacked_when_nothing_is_ready(sdk_cluster: cluster.Cluste
     whose ready list is empty is falsy), and `make demo` stopped draining 200-400 messages early."""
 
     async def scenario() -> None:
-        async with aio.Connection(_addresses(sdk_cluster)) as connection:
+        async with aio.Connection(_addresses(sdk_cluster), **access(sdk_cluster)) as connection:
             await connection.declare_queue("ha.unacked")
             await connection.producer("ha.unacked").publish_many([b"1", b"2", b"3"])
             consumer = connection.consumer("ha.unacked", prefetch=10)
@@ -119,7 +121,8 @@ def test_closing_a_consumer_applies_its_acks_first(sdk_cluster: cluster.ClusterI
     so right after close() the queue is empty (before, acks still queued in the client were lost)."""
 
     async def scenario() -> None:
-        async with aio.Connection(_addresses(sdk_cluster)[2:]) as connection:  # through a forwarding node
+        # Through a forwarding node.
+        async with aio.Connection(_addresses(sdk_cluster)[2:], **access(sdk_cluster)) as connection:
             await connection.declare_queue("ha.close")
             await connection.producer("ha.close").publish_many([b"%d" % i for i in range(300)])
             consumer = connection.consumer("ha.close", prefetch=300)
@@ -135,7 +138,7 @@ def test_closing_a_consumer_applies_its_acks_first(sdk_cluster: cluster.ClusterI
 
 
 def test_errors_are_ringq_errors(sdk_cluster: cluster.ClusterInfo) -> None:
-    with ringq.Connection(_addresses(sdk_cluster), retry_for=2.0) as connection:
+    with ringq.Connection(_addresses(sdk_cluster), retry_for=2.0, **access(sdk_cluster)) as connection:
         with pytest.raises(ringq.errors.NotFound) as unknown:
             connection.queue_status("no.such.queue")
         assert unknown.value.code == grpc.StatusCode.NOT_FOUND
@@ -158,7 +161,7 @@ def test_errors_are_ringq_errors(sdk_cluster: cluster.ClusterInfo) -> None:
 
 
 def test_admin_lists_policies_queues_and_cluster(sdk_cluster: cluster.ClusterInfo) -> None:
-    admin = ringq.Admin(sdk_cluster.node_addresses)
+    admin = ringq.Admin(sdk_cluster.node_addresses, **access(sdk_cluster))
     try:
         admin.set_policy("ttl", "^ttl\\.", {"message-ttl": 1000}, priority=2)
         policies = {p.name: p for p in admin.list_policies()}
@@ -179,7 +182,7 @@ def test_admin_lists_policies_queues_and_cluster(sdk_cluster: cluster.ClusterInf
 def test_producers_and_consumers_are_context_managers(sdk_cluster: cluster.ClusterInfo) -> None:
     """Leaving a producer's block flushes it (every send confirmed) and ends its stream; leaving a consumer's
     applies its acks and cancels it, also when the block raises; the connection has nothing left to close."""
-    with ringq.Connection(_addresses(sdk_cluster)) as connection:
+    with ringq.Connection(_addresses(sdk_cluster), **access(sdk_cluster)) as connection:
         connection.declare_queue("ha.ctx")
         with connection.producer("ha.ctx", window=10) as producer:
             futures = [producer.send(b"%d" % i) for i in range(50)]
@@ -194,7 +197,7 @@ def test_producers_and_consumers_are_context_managers(sdk_cluster: cluster.Clust
         assert not connection.aio._closing, "closed producers and consumers are not closed again"
 
     async def scenario() -> None:
-        async with aio.Connection(_addresses(sdk_cluster)) as connection:
+        async with aio.Connection(_addresses(sdk_cluster), **access(sdk_cluster)) as connection:
             async with connection.producer("ha.ctx") as producer:
                 await producer.send(b"a")
                 await producer.send(b"b")
