@@ -20,7 +20,10 @@ Options: `addresses` (comma-separated host:port of any nodes; required), `queue`
 exist: neither side declares it), `vhost` ("/"), `retryForSeconds` (30: how long the SDK retries through a
 failover without progress), `historyDir` (none: a directory where each sink task and each source process
 records its ringq client history, `history-spark-*.jsonl`, for `python -m pipeline --history DIR`; lines
-a killed process had not flushed are lost). Sink: `window` (1000 unconfirmed messages per task), `batch`
+a killed process had not flushed are lost), `tlsCa` (none: plaintext, a development cluster on loopback; a
+path: TLS to the nodes, trusting that CA's PEM), `user` and `password` (together: who the query acts as on
+a cluster with authentication on; Spark's default spark.redaction.regex hides a "password" option in its
+UI and logs). Sink: `window` (1000 unconfirmed messages per task), `batch`
 (100 messages per publish request), `persistent` (false). Source: `maxMessagesPerBatch` (1000),
 `prefetch` (twice maxMessagesPerBatch), `pollTimeoutMs` (500: how long a trigger waits for a first
 message), `replayTimeoutMs` (5000: how long a replayed batch waits for each of its messages). A missing
@@ -83,7 +86,7 @@ import os
 import threading
 from collections import Counter, deque
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from pyspark import TaskContext
@@ -197,6 +200,9 @@ class QueueOptions:
     vhost: str = "/"
     retry_for: float = 30.0
     history_dir: str | None = None
+    tls_ca: str | None = None
+    user: str | None = None
+    password: str | None = field(default=None, repr=False)
 
     @classmethod
     def parse(cls, options: Mapping[str, str]) -> QueueOptions:
@@ -207,12 +213,18 @@ class QueueOptions:
             host, _, port = address.rpartition(":")
             if not host or not port.isdigit():
                 raise RingqOptionError(f'option "addresses": {address!r} is not host:port')
+        user, password = lowered.get("user") or None, lowered.get("password")
+        if (user is None) != (password is None):
+            raise RingqOptionError('the options "user" and "password" go together')
         return cls(
             addresses=addresses,
             queue=_required(lowered, "queue", "the name of an existing ringq queue"),
             vhost=lowered.get("vhost", "/") or "/",
             retry_for=_seconds(lowered, "retryForSeconds", 30.0),
             history_dir=lowered.get("historydir") or None,
+            tls_ca=lowered.get("tlsca") or None,
+            user=user,
+            password=password,
         )
 
     def connect(self, name: str) -> ringq.Connection:
@@ -220,7 +232,13 @@ class QueueOptions:
         # "" rather than None: not $RINGQ_HISTORY, one file that every task would append to at once.
         history = os.path.join(self.history_dir, f"history-{name}.jsonl") if self.history_dir else ""
         return ringq.Connection(
-            list(self.addresses), vhost=self.vhost, name=name, retry_for=self.retry_for, history=history
+            list(self.addresses),
+            vhost=self.vhost,
+            name=name,
+            retry_for=self.retry_for,
+            history=history,
+            tls=ringq.TLS(ca=self.tls_ca) if self.tls_ca else None,
+            credentials=ringq.Credentials(self.user, self.password or "") if self.user is not None else None,
         )
 
 

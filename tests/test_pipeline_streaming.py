@@ -22,7 +22,7 @@ import ringq
 from pipeline.lifecycle import spark_session
 from pipeline.streaming import QueueOptions, RingqOptionError, SinkOptions, SourceOptions, register
 from services import cluster
-from tests.clusters import live_cluster
+from tests.clusters import GUEST, access, client_tls, live_cluster, scoped
 
 pytestmark = pytest.mark.integration
 
@@ -45,6 +45,13 @@ def spark() -> Iterator[SparkSession]:
 
 def _addresses(info: cluster.ClusterInfo) -> str:
     return ",".join(node.address for node in info.nodes)
+
+
+def _access(info: cluster.ClusterInfo) -> dict[str, str]:
+    """The source's and sink's options for reaching `info` as guest over TLS (none for a plaintext cluster)."""
+    if not info.tls:
+        return {}
+    return {"tlsCa": str(client_tls(info).ca), "user": GUEST.user, "password": GUEST.password}
 
 
 def _finish(query: StreamingQuery) -> None:
@@ -101,6 +108,7 @@ def test_sink_publishes_each_row_once_in_order_and_a_replayed_batch_adds_nothing
         query = (
             messages.writeStream.format("ringq")
             .option("addresses", _addresses(ring))
+            .options(**_access(ring))
             .option("queue", queue)
             .option("historyDir", str(histories))
             .option("checkpointLocation", str(checkpoint))
@@ -110,7 +118,7 @@ def test_sink_publishes_each_row_once_in_order_and_a_replayed_batch_adds_nothing
         _finish(query)
         return str(query.id)
 
-    with ringq.Connection(_addresses(ring).split(",")) as connection:
+    with ringq.Connection(_addresses(ring).split(","), **access(ring)) as connection:
         connection.declare_queue(queue)
         query_id = run()
         commits = checkpoint / "commits"
@@ -127,8 +135,8 @@ def test_sink_publishes_each_row_once_in_order_and_a_replayed_batch_adds_nothing
     assert [d.body.decode() for d in deliveries] == expected, "every row once, in order"
     assert [d.headers.get("line") for d in deliveries] == expected
     assert [(d.publisher, d.seq) for d in deliveries] == [
-        (f"spark-{query_id}-{i // 100}-0", i % 100 + 1) for i in range(500)
-    ], "publisher id per (query, batch, partition); seq = row index in the partition + 1"
+        (scoped(ring, f"spark-{query_id}-{i // 100}-0"), i % 100 + 1) for i in range(500)
+    ], "publisher id per (query, batch, partition) (scoped to the user on a TLS cluster); seq = row index + 1"
     confirms = Counter(
         (event["publisher"].rsplit("-", 2)[1], event["outcome"])
         for path in histories.glob("history-spark-*.jsonl")
@@ -147,6 +155,7 @@ def _reader(spark: SparkSession, ring: cluster.ClusterInfo, queue: str) -> DataF
     return (
         spark.readStream.format("ringq")
         .option("addresses", _addresses(ring))
+        .options(**_access(ring))
         .option("queue", queue)
         .option("maxMessagesPerBatch", "100")
         .load()
@@ -183,7 +192,7 @@ def test_source_reads_every_message_in_order_and_acknowledges_after_the_batch(
 ) -> None:
     queue = "ha.spark-source"
     batches: dict[int, list[Row]] = {}
-    with ringq.Connection(_addresses(ring).split(",")) as connection:
+    with ringq.Connection(_addresses(ring).split(","), **access(ring)) as connection:
         _publish(connection, queue, 500)
         frame = _reader(spark, ring, queue)
         assert frame.schema.simpleString() == (
@@ -197,7 +206,7 @@ def test_source_reads_every_message_in_order_and_acknowledges_after_the_batch(
     assert [row.seq for row in rows] == list(range(1, 501)), "every message once, in publisher order"
     assert [row.body for row in rows] == [b"s%03d" % i for i in range(500)]
     assert [row.headers for row in rows] == [{"i": str(i)} for i in range(500)]
-    assert {row.publisher for row in rows} == {"src"}
+    assert {row.publisher for row in rows} == {scoped(ring, "src")}
     assert not any(row.redelivered for row in rows)
     assert len(rows) == len({row.message_id for row in rows})
     assert len(batches) == 5 and all(len(batch) == 100 for batch in batches.values()), "maxMessagesPerBatch"
@@ -210,7 +219,7 @@ def test_source_reads_a_failed_batch_again_after_a_restart(
     checkpoint = tmp_path / "checkpoint"
     first: dict[int, list[Row]] = {}
     second: dict[int, list[Row]] = {}
-    with ringq.Connection(_addresses(ring).split(",")) as connection:
+    with ringq.Connection(_addresses(ring).split(","), **access(ring)) as connection:
         _publish(connection, queue, 300)
         query = _collecting(_reader(spark, ring, queue), checkpoint, first, fail_batch=1)
         with pytest.raises(StreamingQueryException, match="fails on purpose"):
@@ -283,3 +292,9 @@ def test_option_parsing() -> None:
             SourceOptions.parse(bad)
     with pytest.raises(RingqOptionError, match="true or false"):
         SinkOptions.parse({"addresses": "h:1", "queue": "q", "persistent": "maybe"})
+    secured = QueueOptions.parse({"addresses": "h:1", "queue": "q", "tlsCa": "ca.pem", "User": "u", "password": "p"})
+    assert (secured.tls_ca, secured.user, secured.password) == ("ca.pem", "u", "p")
+    assert "'p'" not in repr(secured), "the password is not shown"
+    for alone in ({"user": "u"}, {"password": "p"}):
+        with pytest.raises(RingqOptionError, match='"user" and "password" go together'):
+            QueueOptions.parse({"addresses": "h:1", "queue": "q", **alone})
