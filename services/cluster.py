@@ -266,17 +266,22 @@ def kill(directory: Path | str, name: str, sig: int = signal.SIGKILL, *, timeout
     return True
 
 
-def start_node(directory: Path | str, node_id: str, *, port: int = 0, timeout: float = 20.0) -> ProcessInfo:
+def start_node(
+    directory: Path | str, node_id: str, *, port: int = 0, cluster_port: int = 0, timeout: float = 20.0
+) -> ProcessInfo:
     """Start node `node_id` into the running cluster in `directory`, with the cluster's node command and args.
 
     A new id is appended to the record; a recorded id whose process is dead is restarted in place; a
     live one is refused. Returns once the node is serving (ClusterError, with nothing left running, if not).
+    `port` is its client port (0: any); on a TLS cluster `cluster_port` is the port it serves cluster members
+    on (0: any), so a node restarted on its ports of before is where its peers last reached it.
     """
     problem = node_id_problem(node_id)
     if problem is not None:
         raise ValueError(problem)
-    if not 0 <= port <= 65535:
-        raise ValueError(f"port must be between 0 and 65535, got {port}")
+    for name, value in (("port", port), ("cluster_port", cluster_port)):
+        if not 0 <= value <= 65535:
+            raise ValueError(f"{name} must be between 0 and 65535, got {value}")
     directory = Path(directory).resolve()
     with _locked(directory):
         info = load(directory)
@@ -289,8 +294,11 @@ def start_node(directory: Path | str, node_id: str, *, port: int = 0, timeout: f
         try:
             if info.tls:
                 certs.issue_node(info.tls_dir, node_id)
+            node_args = info.node_args
+            if info.tls and cluster_port:
+                node_args = (*node_args, "--cluster-listen", f"{HOST}:{cluster_port}")
             launch = _start_node(
-                directory, node_id, info.coordinator.address, port, info.node_command, info.node_args, started, info.tls
+                directory, node_id, info.coordinator.address, port, info.node_command, node_args, started, info.tls
             )
             (process,) = _await_ready([launch], time.monotonic() + timeout, timeout)
             nodes = [process if p.name == node_id else p for p in info.nodes]

@@ -20,6 +20,7 @@ import grpc
 
 import ringq
 from ringq import aio, security
+from ringq.internal.v1 import coordinator_pb2, coordinator_pb2_grpc
 from ringq.security import TLS, Credentials
 from services import certs, cluster
 from services.coordinator.client import CoordinatorClient
@@ -82,13 +83,14 @@ def as_guest(info: cluster.ClusterInfo, stub: Any) -> Any:
     return security.authenticated(stub, credentials(info))
 
 
-def member(info: cluster.ClusterInfo) -> Dialer:
-    """How a test reaches `info`'s coordinator and nodes' cluster ports as a cluster member: with MEMBER's
-    certificate (made in the cluster's TLS directory if missing) on a TLS cluster, plaintext otherwise."""
+def member(info: cluster.ClusterInfo, as_node: str = MEMBER) -> Dialer:
+    """How a test reaches `info`'s coordinator and nodes' cluster ports as a cluster member: as node `as_node`
+    (MEMBER unless told), with its certificate (made in the cluster's TLS directory if missing) on a TLS
+    cluster; plaintext on a plaintext one."""
     if not info.tls:
         return PLAINTEXT
-    certs.issue_node(info.tls_dir, MEMBER)
-    return Dialer(certs.load_node(info.tls_dir, MEMBER))
+    certs.issue_node(info.tls_dir, as_node)
+    return Dialer(certs.load_node(info.tls_dir, as_node))
 
 
 def coordinator_channel(info: cluster.ClusterInfo) -> grpc.aio.Channel:
@@ -99,6 +101,25 @@ def coordinator_channel(info: cluster.ClusterInfo) -> grpc.aio.Channel:
 def coordinator_client(info: cluster.ClusterInfo, **options: Any) -> CoordinatorClient:
     """A CoordinatorClient of `info`'s coordinator, as MEMBER on a TLS cluster; `options` go to it."""
     return CoordinatorClient(info.coordinator.address, dialer=member(info), **options)
+
+
+async def cluster_ports(info: cluster.ClusterInfo) -> dict[str, int]:
+    """Each registered node's cluster port, as `info`'s coordinator has it: where its peers reach it (on a
+    plaintext cluster, its one port). For `cluster.start_node(..., cluster_port=)`."""
+    async with coordinator_channel(info) as channel:
+        listed = await coordinator_pb2_grpc.CoordinatorServiceStub(channel).ListNodes(
+            coordinator_pb2.ListNodesRequest(), timeout=10
+        )
+    return {node.node: int((node.cluster_address or node.address).rsplit(":", 1)[1]) for node in listed.nodes}
+
+
+async def peer_channel(
+    info: cluster.ClusterInfo, node: str, options: Sequence[tuple[str, Any]] = (), *, as_node: str = MEMBER
+) -> grpc.aio.Channel:
+    """An asyncio channel to node `node`'s cluster port (PeerService, where its peers link to it), as cluster
+    member `as_node` (MEMBER unless told) on a TLS cluster; to its one port on a plaintext cluster."""
+    port = (await cluster_ports(info))[node]
+    return member(info, as_node).to_node(node, f"{cluster.HOST}:{port}", options)
 
 
 async def set_policy(info: cluster.ClusterInfo, name: str, pattern: str, definition: Mapping[str, Any]) -> None:

@@ -6,9 +6,10 @@ then joined a group through node1's (live, new) member; its AddOnRight failed fa
 UNAVAILABLE until the failure timeout ran out, and the live member was recorded dead.
 
 Here node1 is killed; node2 dials it while it is down (its member of "before-restart" asks node1's
-dead member to add it; that member is rightly recorded dead); node1's port stays closed to node2
-(a stand-in accepts each connection and drops it, recording when node2 tried) until node2's
-attempts are seconds apart, then node1 restarts on the same port and node2 joins "after-restart"
+dead member to add it; that member is rightly recorded dead); node1's cluster port (where node2
+reaches it, with mutual TLS) stays closed to node2 (a stand-in accepts each connection and drops it,
+recording when node2 tried) until node2's attempts are seconds apart, then node1 restarts on the
+same ports and node2 joins "after-restart"
 through node1's new member. Checked: the join goes through node1's member, nobody in
 "after-restart" is recorded dead, a confirmed broadcast goes round both, and node2's log gives the
 one death it did record (the old member) with its reason.
@@ -25,7 +26,7 @@ import pytest
 
 from ringq.group import GroupMembership
 from services import cluster
-from services.coordinator.client import CoordinatorClient
+from tests.clusters import access, cluster_ports, coordinator_client
 
 pytestmark = pytest.mark.integration
 
@@ -74,29 +75,31 @@ async def _listen_once_free(closed_port: ClosedPort, host: str, port: int) -> as
 
 
 async def _scenario(directory: Path) -> None:
-    info = cluster.up(2, directory, node_args=NODE_ARGS)
+    info = cluster.up(2, directory, node_args=NODE_ARGS, tls=True)
     node1 = info.process("node1").address
     node2 = info.process("node2").address
     host, port = node1.rsplit(":", 1)
-    old_member = await GroupMembership.join(node1, "before-restart")
+    peers_port = (await cluster_ports(info))["node1"]  # where node2 reaches node1: its cluster port
+    old_member = await GroupMembership.join(node1, "before-restart", **access(info))
     cluster.kill(directory, "node1", signal.SIGKILL)
     await old_member.close()
     closed_port = ClosedPort()
-    stand_in = await _listen_once_free(closed_port, host, int(port))
+    stand_in = await _listen_once_free(closed_port, host, peers_port)
     try:
-        survivor = await GroupMembership.join(node2, "before-restart")  # through the dead member
+        survivor = await GroupMembership.join(node2, "before-restart", **access(info))  # through the dead member
         await closed_port.wait_for_backoff()
     finally:
         stand_in.close()
         await stand_in.wait_closed()
     assert closed_port.attempts, "node2 never tried to reach node1 while it was down"
-    cluster.start_node(directory, "node1", port=int(port))
+    cluster.start_node(directory, "node1", port=int(port), cluster_port=peers_port)
+    assert (await cluster_ports(info))["node1"] == peers_port, "node1 is back where node2 reached it before"
 
-    master = await GroupMembership.join(node1, "after-restart")
-    joiner = await GroupMembership.join(node2, "after-restart")
+    master = await GroupMembership.join(node1, "after-restart", **access(info))
+    joiner = await GroupMembership.join(node2, "after-restart", **access(info))
     assert master.member_id in joiner.joined.members, f"node2's member joined without node1's: {joiner.joined}"
     await asyncio.wait_for(master.broadcast([b"round"], confirmed=True), 10)
-    async with CoordinatorClient(info.coordinator.address) as coordinator:
+    async with coordinator_client(info) as coordinator:
         group = await coordinator.read_group("after-restart")
     assert [(m.id, m.alive) for m in group.members] == [(master.member_id, True), (joiner.member_id, True)]
 

@@ -45,7 +45,7 @@ from ringq.internal.v1 import coordinator_pb2, coordinator_pb2_grpc
 from ringq.models import QueueRecord, QueueStatus
 from ringq.v1 import queue_pb2
 from services import cluster
-from tests.clusters import NODE_ARGS, live_cluster
+from tests.clusters import NODE_ARGS, access, cluster_ports, connection, coordinator_channel, live_cluster, scoped
 
 pytestmark = pytest.mark.integration
 
@@ -97,18 +97,13 @@ async def _eventually(
         await asyncio.sleep(POLL_SECONDS)
 
 
-def _connection(info: cluster.ClusterInfo, *names: str, retry_for: float = 30.0) -> aio.Connection:
-    by_name = {node.name: node.address for node in info.nodes}
-    return aio.Connection([by_name[name] for name in names], retry_for=retry_for)
-
-
 async def _queue_record(admin: aio.Admin, queue: str) -> QueueRecord:
     (record,) = [record for record in await admin.list_queues() if record.name == queue]
     return record
 
 
-async def _read_group(coordinator: str, group: str) -> coordinator_pb2.ReadGroupResponse:
-    async with grpc.aio.insecure_channel(coordinator) as channel:
+async def _read_group(info: cluster.ClusterInfo, group: str) -> coordinator_pb2.ReadGroupResponse:
+    async with coordinator_channel(info) as channel:
         stub = coordinator_pb2_grpc.CoordinatorServiceStub(channel)
         response: coordinator_pb2.ReadGroupResponse = await stub.ReadGroup(
             coordinator_pb2.ReadGroupRequest(group=group), timeout=5.0
@@ -171,13 +166,13 @@ class _AckingConsumer:
 
 
 async def _publisher_cut_off(directory: Path, info: cluster.ClusterInfo) -> None:
-    on_master = _connection(info, "node1")
+    on_master = connection(info, "node1")
     queue = "ha.cut-off"
     await _declared_and_synchronised(on_master, queue, durable=False)
     consumer = _AckingConsumer(on_master, queue, PREFETCH)
     before = on_master.producer(queue, publisher_id="before")
     assert await before.publish_many([b"before 1", b"before 2"]) == [aio.Outcome.CONFIRMED] * 2
-    await consumer.wait_for("before", [1, 2], "the consumer received the messages published before the fault")
+    await consumer.wait_for(before.scoped_id, [1, 2], "the consumer received the messages published before the fault")
     await _eventually(lambda: on_master.queue_status(queue), lambda s: s.depth == 0, SETTLE_SECONDS, "acks applied")
 
     accepted = CUT_OFF_BATCHES * CUT_OFF_BATCH_SIZE
@@ -208,7 +203,9 @@ async def _publisher_cut_off(directory: Path, info: cluster.ClusterInfo) -> None
 
     try:
         await consumer.wait_for(
-            "cut-off", range(1, accepted + 1), f"the consumer received all {accepted} messages the queue accepted"
+            scoped(info, "cut-off"),
+            range(1, accepted + 1),
+            f"the consumer received all {accepted} messages the queue accepted",
         )
     except AssertionError as error:
         status = await on_master.queue_status(queue)
@@ -221,7 +218,9 @@ async def _publisher_cut_off(directory: Path, info: cluster.ClusterInfo) -> None
     )
     after = on_master.producer(queue, publisher_id="after")
     assert await after.publish_many([b"after 1", b"after 2", b"after 3"]) == [aio.Outcome.CONFIRMED] * 3
-    await consumer.wait_for("after", [1, 2, 3], "the consumer's prefetch slots are free: later messages reach it")
+    await consumer.wait_for(
+        after.scoped_id, [1, 2, 3], "the consumer's prefetch slots are free: later messages reach it"
+    )
     await consumer.close()
     await on_master.close()
 
@@ -236,11 +235,12 @@ def test_a_publisher_cut_off_mid_step_leaves_nothing_behind(tmp_path: Path) -> N
 class _GroupHistory:
     """Every version of one GM group's table, as the coordinator's Watch streams them (from its first)."""
 
-    def __init__(self, coordinator: str, group: str) -> None:
+    def __init__(self, info: cluster.ClusterInfo, group: str) -> None:
+        self.info = info
         self.group = group
         self.versions: list[coordinator_pb2.WatchResponse] = []
         self.missed = False  # the coordinator no longer had some changes: the history has a hole
-        self._channel = grpc.aio.insecure_channel(coordinator)
+        self._channel = coordinator_channel(info)
         self._task = asyncio.ensure_future(self._follow())
 
     async def _follow(self) -> None:
@@ -250,9 +250,9 @@ class _GroupHistory:
             if event.key == self.group and not event.deleted:
                 self.versions.append(event)
 
-    async def caught_up(self, coordinator: str) -> None:
+    async def caught_up(self) -> None:
         """Wait until the history holds the group's version as ReadGroup gives it now."""
-        current = (await _read_group(coordinator, self.group)).group.version
+        current = (await _read_group(self.info, self.group)).group.version
 
         async def newest() -> int:
             assert not self._task.done(), f"the group watch ended: {self._task}"
@@ -293,16 +293,18 @@ def _logged_dead_since(sizes: dict[Path, int], except_members: set[str]) -> list
 
 
 async def _restart_master_first(
-    directory: Path, master: str, ports: dict[str, int], queue: str, messages: int, what: str
+    directory: Path, master: str, ports: dict[str, tuple[int, int]], queue: str, messages: int, what: str
 ) -> tuple[cluster.ClusterInfo, aio.Connection, QueueStatus]:
     """SIGKILL every node; start `master`'s node, wait until its replica has said in the record how far its
     log goes (it waits for the replicas the record lists as synchronised before one of them recovers the
-    queue), start the others; each node on its port of before. Returns once the queue serves every message
-    with both mirrors synchronised: the cluster, a connection to every node, the queue's status then."""
+    queue), start the others; each node on its ports of before (client, cluster). Returns once the queue
+    serves every message with both mirrors synchronised: the cluster, a connection to every node, the queue's
+    status then."""
     for name in ports:
         cluster.kill(directory, name, signal.SIGKILL)
-    cluster.start_node(directory, master, port=ports[master])
-    admin = aio.Admin(cluster.load(directory).node_addresses)
+    cluster.start_node(directory, master, port=ports[master][0], cluster_port=ports[master][1])
+    restarted = cluster.load(directory)
+    admin = aio.Admin(restarted.node_addresses, **access(restarted))
     await _eventually(
         lambda: _queue_record(admin, queue),
         lambda record: master in record.recovery_positions,
@@ -310,11 +312,11 @@ async def _restart_master_first(
         f"{what}: {master}, started alone, claims the queue",
     )
     await admin.close()
-    for name, port in ports.items():
+    for name, (port, peers_port) in ports.items():
         if name != master:
-            cluster.start_node(directory, name, port=port)
+            cluster.start_node(directory, name, port=port, cluster_port=peers_port)
     info = cluster.load(directory)
-    client = _connection(info, *ports)
+    client = connection(info, *ports)
     status = await _eventually(
         lambda: client.queue_status(queue),
         lambda status: status.depth == messages and len(status.synchronised_mirrors) == 2,
@@ -325,23 +327,23 @@ async def _restart_master_first(
 
 
 async def _restart_every_node(directory: Path, info: cluster.ClusterInfo) -> None:
-    coordinator = info.coordinator.address
     queue = "ha.restarted"
-    client = _connection(info, "node1", "node2", "node3")
+    client = connection(info, "node1", "node2", "node3")
     master = (await _declared_and_synchronised(client, queue, durable=True)).master_node
-    admin = aio.Admin(info.node_addresses)
+    admin = aio.Admin(info.node_addresses, **access(info))
     group = (await _queue_record(admin, queue)).gm_group
-    history = _GroupHistory(coordinator, group)
-    # Each node comes back on its address of before, as a restarted server does: peers' channels to it
-    # remember the attempts that failed while it was down.
-    ports = {node.name: int(node.address.rsplit(":", 1)[1]) for node in info.nodes}
+    history = _GroupHistory(info, group)
+    # Each node comes back on its addresses of before, as a restarted server does: peers' channels to it
+    # (to its cluster port) remember the attempts that failed while it was down.
+    peers_ports = await cluster_ports(info)
+    ports = {node.name: (int(node.address.rsplit(":", 1)[1]), peers_ports[node.name]) for node in info.nodes}
     killed: set[str] = set()  # members of the processes SIGKILLed so far: they may well be recorded dead
     for restart in range(1, RESTARTS + 1):
         producer = client.producer(queue, publisher_id=f"before-restart-{restart}", persistent=True)
         bodies = [b"%d" % seq for seq in range(MESSAGES_PER_ROUND)]
         assert await producer.publish_many(bodies) == [aio.Outcome.CONFIRMED] * MESSAGES_PER_ROUND
         await client.close()
-        killed |= {member.id for member in (await _read_group(coordinator, group)).group.members}
+        killed |= {member.id for member in (await _read_group(info, group)).group.members}
         sizes = _log_sizes(info)
         what = f"restart {restart}"
         try:
@@ -349,7 +351,7 @@ async def _restart_every_node(directory: Path, info: cluster.ClusterInfo) -> Non
                 directory, master, ports, queue, restart * MESSAGES_PER_ROUND, what
             )
         finally:  # what the nodes recorded explains a failure to come back: it is judged first
-            await history.caught_up(coordinator)
+            await history.caught_up()
             assert not history.missed, "the group watch missed changes"
             recorded = history.recorded_dead(except_members=killed)
             assert not recorded, f"{what}: members of running processes recorded dead: {recorded}"
@@ -359,7 +361,7 @@ async def _restart_every_node(directory: Path, info: cluster.ClusterInfo) -> Non
 
     consumer = _AckingConsumer(client, queue, prefetch=100)
     for restart in range(1, RESTARTS + 1):
-        publisher = f"before-restart-{restart}"
+        publisher = scoped(info, f"before-restart-{restart}")
         await consumer.wait_for(publisher, range(1, MESSAGES_PER_ROUND + 1), f"every message of {publisher} delivered")
         seqs = consumer.seqs_of(publisher)
         assert seqs == sorted(seqs), f"the messages of {publisher} came out of order"
@@ -378,8 +380,8 @@ def test_a_whole_cluster_restart_records_no_live_member_dead(tmp_path: Path) -> 
 
 async def _struck_mirror_returns(directory: Path, info: cluster.ClusterInfo) -> None:
     queue = "ha.struck"
-    admin = aio.Admin(info.node_addresses)
-    first = _connection(info, "node1")
+    admin = aio.Admin(info.node_addresses, **access(info))
+    first = connection(info, "node1")
     await first.declare_queue(queue)  # on node1 and node2, the nodes live now
     await first.close()
     # node3 joins the cluster: the coordinator's pass over the live nodes places a mirror on it. That pass
@@ -392,7 +394,7 @@ async def _struck_mirror_returns(directory: Path, info: cluster.ClusterInfo) -> 
         SETTLE_SECONDS,
         "the coordinator placed a mirror on node3 once it joined",
     )
-    client = _connection(info, "node1", "node2", "node3")
+    client = connection(info, "node1", "node2", "node3")
     await _eventually(
         lambda: client.queue_status(queue),
         lambda status: len(status.synchronised_mirrors) == 2,
