@@ -47,7 +47,7 @@ from services import node as node_process
 from services.coordinator.metadata import QueueRecord
 from services.queue.manager import queue_dir_name
 from services.queue.replica_log import current_log_directory
-from tests.clusters import HA_ALL, every_node_live
+from tests.clusters import HA_ALL, access, every_node_live
 
 # ------------------------------------------------------------------------------------- the node's flags
 
@@ -131,9 +131,10 @@ class Demands:
 
 async def start_cluster(directory: Path, node_args: Sequence[str]) -> cluster.ClusterInfo:
     """Three nodes and a coordinator in `directory`, queues named ha.* mirrored on every node and synced
-    automatically; returns once the coordinator counts every node live (so placement sees them all)."""
-    info = cluster.up(3, directory, node_args=list(node_args))
-    async with aio.Admin(info.node_addresses) as admin:
+    automatically, with TLS and authentication on; returns once the coordinator counts every node live (so
+    placement sees them all)."""
+    info = cluster.up(3, directory, node_args=list(node_args), tls=True)
+    async with aio.Admin(info.node_addresses, **access(info)) as admin:
         for name, (pattern, definition) in HA_ALL.items():
             await admin.set_policy(name, pattern, definition)
     await every_node_live(info)
@@ -142,13 +143,13 @@ async def start_cluster(directory: Path, node_args: Sequence[str]) -> cluster.Cl
 
 def connect(info: cluster.ClusterInfo, *, retry_for: float = 30.0) -> aio.Connection:
     """A connection through every node of `info`, node1 first."""
-    return aio.Connection([node.address for node in info.nodes], retry_for=retry_for)
+    return aio.Connection(info.node_addresses, retry_for=retry_for, **access(info))
 
 
 async def declare_on(info: cluster.ClusterInfo, node: str, queue: str) -> None:
     """Declare the durable `queue` through `node`, which makes that node its master."""
     address = info.process(node).address
-    async with aio.Connection([address]) as connection:
+    async with aio.Connection([address], **access(info)) as connection:
         declared = await connection.declare_queue(queue, durable=True)
     assert declared.master_node == node, f"{queue} was placed on {declared.master_node}, not {node}"
 

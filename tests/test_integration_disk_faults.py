@@ -39,6 +39,7 @@ import pytest
 from ringq import aio
 from ringq.errors import ResourceExhausted
 from services import cluster
+from tests.clusters import access, scoped
 from tests.disks import (
     DISK_FREE_LIMIT_FLAG,
     Damage,
@@ -87,7 +88,7 @@ async def _serving(client: aio.Connection, queue: str) -> bool:
 
 
 async def _gm_groups(info: cluster.ClusterInfo) -> dict[str, str]:
-    admin = aio.Admin(info.node_addresses)
+    admin = aio.Admin(info.node_addresses, **access(info))
     try:
         return {record.name: record.gm_group for record in await admin.list_queues()}
     finally:
@@ -142,11 +143,14 @@ async def _publish_and_acknowledge(client: aio.Connection, combination: _Combina
     await consumer.close()
 
 
-def _judge_recovery(demands: Demands, combination: _Combination, deliveries: list[aio.Delivery]) -> tuple[int, int]:
+def _judge_recovery(
+    info: cluster.ClusterInfo, demands: Demands, combination: _Combination, deliveries: list[aio.Delivery]
+) -> tuple[int, int]:
     """Check one queue's drained deliveries; (lost, acknowledged ones that came back)."""
     queue = combination.queue
-    unacknowledged = {("orders", seq) for seq in range(1, PUBLISHED + 1) if seq not in combination.acked}
-    expected = unacknowledged | {("marker", 1)}
+    orders = scoped(info, "orders")  # as deliveries show the publisher
+    unacknowledged = {(orders, seq) for seq in range(1, PUBLISHED + 1) if seq not in combination.acked}
+    expected = unacknowledged | {(scoped(info, "marker"), 1)}
     delivered = {(d.publisher, d.seq) for d in deliveries}
     lost = sorted(expected - delivered)
     demands.check(
@@ -154,7 +158,7 @@ def _judge_recovery(demands: Demands, combination: _Combination, deliveries: lis
         f"{queue}: {len(lost)} confirmed, unacknowledged messages lost (first {lost[:3]}; "
         f"damaged record carried {combination.damage.message if combination.damage else None})",
     )
-    returned = [d for d in deliveries if d.publisher == "orders" and d.seq in combination.acked]
+    returned = [d for d in deliveries if d.publisher == orders and d.seq in combination.acked]
     unflagged = [d.seq for d in returned if not d.redelivered]
     demands.check(not unflagged, f"{queue}: acknowledged messages came back not flagged redelivered: {unflagged[:5]}")
     return len(lost), len(returned)
@@ -228,7 +232,7 @@ async def _damage_and_cut_every_combination(directory: Path) -> dict[str, float]
     figures = {"back_after": time.monotonic() - restarted}
     drained = await asyncio.gather(*(drain(client, c.queue, DRAIN_S) for c in combinations))
     for combination, deliveries in zip(combinations, drained, strict=True):
-        lost, returned = _judge_recovery(demands, combination, deliveries)
+        lost, returned = _judge_recovery(info, demands, combination, deliveries)
         figures[f"{combination.queue} lost"] = lost
         figures[f"{combination.queue} acknowledged and back"] = returned
     await _judge_damage_reports(demands, client, combinations)
@@ -266,7 +270,7 @@ async def _mirrored_queue(info: cluster.ClusterInfo, client: aio.Connection) -> 
 def _judge_drained(demands: Demands, publisher: SteadyPublisher, deliveries: list[aio.Delivery]) -> None:
     """Every confirmed message delivered (lost = 0); none handed to the application twice."""
     counts = Counter((d.publisher, d.seq) for d in deliveries)
-    lost = sorted(seq for seq in publisher.ledger.confirmed if (publisher.producer.publisher_id, seq) not in counts)
+    lost = sorted(seq for seq in publisher.ledger.confirmed if (publisher.producer.scoped_id, seq) not in counts)
     demands.check(not lost, f"{len(lost)} confirmed messages lost (first {lost[:5]})")
     twice = sorted(key for key, count in counts.items() if count > 1)
     demands.check(not twice, f"{len(twice)} messages handed to the application more than once (first {twice[:5]})")
@@ -364,7 +368,7 @@ async def _master_disk_fills(directory: Path, disk: SmallDisk) -> dict[str, floa
                 f"(the queue said {statuses[-1].status if statuses else None!r})",
             )
             on_disk = logged_messages(queue_log_dir(directory, "node1", DISK_QUEUE, group))
-            not_on_disk = {("steady", seq) for seq in ledger.confirmed} - on_disk
+            not_on_disk = {(producer.scoped_id, seq) for seq in ledger.confirmed} - on_disk
             demands.check(not not_on_disk, f"{len(not_on_disk)} confirmed messages are not on the master's disk")
             unclear = sorted({(code.name, details) for code, details in ledger.refused.values()})
             unclear = [
@@ -410,7 +414,7 @@ def _alarm(node: dict[str, object]) -> bool:
 
 async def _below_the_disk_free_limit(directory: Path) -> dict[str, float]:
     info = await start_cluster(directory, [DISK_FREE_LIMIT_FLAG, str(LIMIT_MIB)])
-    admin = aio.Admin(info.node_addresses)
+    admin = aio.Admin(info.node_addresses, **access(info))
 
     async def alarm_on_node1() -> bool:
         return (await admin.cluster_status()).node("node1").disk_alarm

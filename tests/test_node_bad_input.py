@@ -39,6 +39,7 @@ from services import cluster
 from services.gm.fragments import MAX_FRAGMENT_BYTES, split
 from services.gm.links import PROTOCOL_MAJOR
 from services.node import MAX_PAYLOAD_BYTES
+from tests.clusters import MEMBER, access, as_guest, client_channel, peer_channel
 
 pytestmark = pytest.mark.integration
 
@@ -51,6 +52,8 @@ BIG_MESSAGES = [
 REPO = Path(__file__).resolve().parents[1]
 WAIT = 15.0  # seconds for anything that should happen "soon" on an idle loopback cluster
 FUZZ_SEED = 20240611
+# The hostile peer: a cluster member (with TLS, a Link speaks only for the node its certificate names).
+INTRUDER = MEMBER
 
 T = TypeVar("T")
 
@@ -63,7 +66,7 @@ def _run(coroutine: Coroutine[Any, Any, T], timeout: float = 60.0) -> T:
 def ring(tmp_path_factory: pytest.TempPathFactory) -> Iterator[cluster.ClusterInfo]:
     directory = tmp_path_factory.mktemp("bad-input-cluster")
     try:
-        yield cluster.up(3, directory, node_args=NODE_ARGS)
+        yield cluster.up(3, directory, node_args=NODE_ARGS, tls=True)
     finally:
         cluster.down(directory)
 
@@ -129,7 +132,7 @@ class Recorder:
 async def _join_all(info: cluster.ClusterInfo, group: str, nodes: tuple[str, ...]) -> list[Recorder]:
     recorders = []
     for node in nodes:
-        membership = await asyncio.wait_for(GroupMembership.join(_address(info, node), group), WAIT)
+        membership = await asyncio.wait_for(GroupMembership.join(_address(info, node), group, **access(info)), WAIT)
         recorders.append(Recorder(membership, node))
     return recorders
 
@@ -168,8 +171,8 @@ def _expect(error: grpc.aio.AioRpcError, code: grpc.StatusCode, *fragments: str)
 async def _group_bad_input(info: cluster.ClusterInfo) -> None:
     group = "bad-input"
     a, b, c = recorders = await _join_all(info, group, ("node1", "node2", "node3"))
-    channel = grpc.aio.insecure_channel(_address(info, "node1"), options=BIG_MESSAGES)
-    stub = group_pb2_grpc.GroupServiceStub(channel)
+    channel = client_channel(info, _address(info, "node1"), options=BIG_MESSAGES)
+    stub = as_guest(info, group_pb2_grpc.GroupServiceStub(channel))
     try:
         before = [f"before-{k}".encode() for k in range(5)]
         await a.membership.broadcast(before, confirmed=True)
@@ -245,8 +248,8 @@ def test_a_200_character_group_name_is_accepted(ring: cluster.ClusterInfo) -> No
 
 async def _oversized_broadcast(info: cluster.ClusterInfo) -> None:
     a, b = recorders = await _join_all(info, "oversized", ("node1", "node2"))
-    channel = grpc.aio.insecure_channel(_address(info, "node1"), options=BIG_MESSAGES)
-    stub = group_pb2_grpc.GroupServiceStub(channel)
+    channel = client_channel(info, _address(info, "node1"), options=BIG_MESSAGES)
+    stub = as_guest(info, group_pb2_grpc.GroupServiceStub(channel))
     try:
         request = group_pb2.BroadcastRequest(member=a.id, payloads=[b"\x00" * (MAX_PAYLOAD_BYTES + 1)])
         error = await _rpc_error(stub.Broadcast(request))
@@ -272,8 +275,8 @@ def test_broadcast_of_a_payload_over_16_mib_is_invalid_argument(ring: cluster.Cl
 async def _largest_payload(info: cluster.ClusterInfo) -> None:
     recorders = await _join_all(info, "largest-payload", ("node2", "node3"))
     a = recorders[0]
-    channel = grpc.aio.insecure_channel(_address(info, "node2"), options=BIG_MESSAGES)
-    stub = group_pb2_grpc.GroupServiceStub(channel)
+    channel = client_channel(info, _address(info, "node2"), options=BIG_MESSAGES)
+    stub = as_guest(info, group_pb2_grpc.GroupServiceStub(channel))
     payload = random.Random(FUZZ_SEED).randbytes(MAX_PAYLOAD_BYTES)
     try:
         request = group_pb2.BroadcastRequest(member=a.id, payloads=[payload], confirmed=True)
@@ -321,8 +324,9 @@ async def _link_refusal(
 async def _peer_bad_input(info: cluster.ClusterInfo) -> None:
     group = "peer-bad-input"
     a, b = recorders = await _join_all(info, group, ("node1", "node2"))
-    channel = grpc.aio.insecure_channel(_address(info, "node2"))
+    channel = await peer_channel(info, "node2")
     stub = peer_pb2_grpc.PeerServiceStub(channel)
+    own = await peer_channel(info, "node2", as_node="node2")  # with TLS only node2's certificate says node2
     try:
         for left, where in (("node2.000000000000", group), (a.id, group), (b.id, "no-such-group")):
             request = peer_pb2.AddOnRightRequest(group=where, left=left, newcomer="node3.fake", newcomer_node="node3")
@@ -344,7 +348,11 @@ async def _peer_bad_input(info: cluster.ClusterInfo) -> None:
         ]
         for first in not_hello:
             _expect(await _link_refusal(stub, first), grpc.StatusCode.INVALID_ARGUMENT, "must open with a Hello")
-        _expect(await _link_refusal(stub, _hello("node2")), grpc.StatusCode.INVALID_ARGUMENT, "cannot link to itself")
+        if info.tls:  # a member may speak for its own node only
+            refused = await _link_refusal(stub, _hello("node2"))
+            _expect(refused, grpc.StatusCode.PERMISSION_DENIED, "must name the node of its certificate", "'node2'")
+        itself = await _link_refusal(peer_pb2_grpc.PeerServiceStub(own), _hello("node2"))
+        _expect(itself, grpc.StatusCode.INVALID_ARGUMENT, "cannot link to itself")
 
         # Nothing above changed the ring: a confirmed broadcast still goes all the way round.
         assert await a.membership.broadcast([b"ring-intact"], confirmed=True) == (1, 1)
@@ -352,6 +360,7 @@ async def _peer_bad_input(info: cluster.ClusterInfo) -> None:
         assert b.of(a.id) == [b"ring-intact"]
     finally:
         await channel.close(None)
+        await own.close(None)
         await _close_all(recorders)
 
 
@@ -481,11 +490,11 @@ async def _hostile_traffic(info: cluster.ClusterInfo) -> None:
     a, b, c = recorders = await _join_all(info, group, ("node1", "node2", "node3"))
     node2 = info.process("node2")
     log_offset = node2.log.stat().st_size
-    channel = grpc.aio.insecure_channel(node2.address)
+    channel = await peer_channel(info, "node2")
     stub = peer_pb2_grpc.PeerServiceStub(channel)
     rng = random.Random(FUZZ_SEED)
     try:
-        link = await RawLink.open(stub, "intruder", "x")
+        link = await RawLink.open(stub, INTRUDER, "x")
         to_b: dict[str, Any] = {"group": group, "receiver": b.id, "view_version": 0}
         # (a) Ring messages to b without a body, and without a sender.
         await link.send(_ring_frame(sender="intruder.a", **to_b))
@@ -541,13 +550,13 @@ async def _hostile_traffic(info: cluster.ClusterInfo) -> None:
         # Fragments out of order, past their count, and of no count: the node closes the link carrying
         # them (skipping a frame would put the ring out of order; a new link makes members catch up).
         for message_id, index, count in ((7, 1, 2), (8, 3, 3), (9, 0, 0)):
-            broken = await RawLink.open(stub, "intruder", f"broken-{message_id}")
+            broken = await RawLink.open(stub, INTRUDER, f"broken-{message_id}")
             fragment = peer_pb2.Fragment(message_id=message_id, index=index, count=count, chunk=b"\x0a\x01x")
             await broken.send(peer_pb2.PeerFrame(protocol_major=PROTOCOL_MAJOR, fragment=fragment))
             await asyncio.wait_for(broken.ended.wait(), WAIT)
         # ... and random fragments, each on a link of its own: closed by the node, or kept, never fatal.
         for frame in _random_kind_frames(rng, 30, kinds=("fragment",)):
-            single = await RawLink.open(stub, "intruder", "fuzzed-fragment")
+            single = await RawLink.open(stub, INTRUDER, "fuzzed-fragment")
             with contextlib.suppress(grpc.aio.AioRpcError, asyncio.InvalidStateError):
                 await single.send(frame)
                 await single.finish()
@@ -555,16 +564,16 @@ async def _hostile_traffic(info: cluster.ClusterInfo) -> None:
 
         # Each bad frame was refused at the right place, and logged.
         expected = [
-            "dropping a malformed ring message from intruder: ring message without a body",
-            "dropping a malformed ring message from intruder: ring message without group, sender or receiver",
-            "dropping a malformed ring message from intruder: malformed activity entry for 'ghost-c'",
-            "dropping a malformed ring message from intruder: malformed catchup entry for 'ghost-catchup'",
-            "dropping a frame of protocol 99 from intruder",
-            "closing the link from intruder: fragment 1 of message 7 out of order",
-            "closing the link from intruder: fragment 3 of 3",
-            "closing the link from intruder: fragment 0 of 0",
-            "dropping a malformed ring message from intruder: malformed catchup entry for 'recovered'",
-            "dropping an unreadable message from intruder",
+            f"dropping a malformed ring message from {INTRUDER}: ring message without a body",
+            f"dropping a malformed ring message from {INTRUDER}: ring message without group, sender or receiver",
+            f"dropping a malformed ring message from {INTRUDER}: malformed activity entry for 'ghost-c'",
+            f"dropping a malformed ring message from {INTRUDER}: malformed catchup entry for 'ghost-catchup'",
+            f"dropping a frame of protocol 99 from {INTRUDER}",
+            f"closing the link from {INTRUDER}: fragment 1 of message 7 out of order",
+            f"closing the link from {INTRUDER}: fragment 3 of 3",
+            f"closing the link from {INTRUDER}: fragment 0 of 0",
+            f"dropping a malformed ring message from {INTRUDER}: malformed catchup entry for 'recovered'",
+            f"dropping an unreadable message from {INTRUDER}",
         ]
         await _wait_until(
             lambda: all(line in _log_since(node2, log_offset) for line in expected), "node2 to log every refusal"
@@ -575,7 +584,7 @@ async def _hostile_traffic(info: cluster.ClusterInfo) -> None:
         # node2 is alive and answers: a new link gets its Hello, the group delivers end to end.
         os.kill(node2.pid, 0)
         assert cluster.is_alive(node2)
-        again = await RawLink.open(stub, "intruder", "y")
+        again = await RawLink.open(stub, INTRUDER, "y")
         assert await again.finish() == grpc.StatusCode.OK
         assert await a.membership.broadcast([b"a-after"], confirmed=True) == (1, 1)
         assert await b.membership.broadcast([b"b-after"], confirmed=True) == (1, 1)
@@ -634,12 +643,12 @@ def test_large_payloads_are_fragmented_and_delivered_intact(ring: cluster.Cluste
 async def _future_view_version(info: cluster.ClusterInfo) -> None:
     group = "future-view"
     a, b = recorders = await _join_all(info, group, ("node1", "node2"))
-    channel = grpc.aio.insecure_channel(_address(info, "node2"))
+    channel = await peer_channel(info, "node2")
     try:
         # Control: the ring delivers before the hostile frame.
         await a.membership.broadcast([b"before-future-view"], confirmed=True)
         await b.wait_for(a.id, 1)
-        link = await RawLink.open(peer_pb2_grpc.PeerServiceStub(channel), "intruder", "x")
+        link = await RawLink.open(peer_pb2_grpc.PeerServiceStub(channel), INTRUDER, "x")
         # Well formed, addressed to b, from a sender that is not b's left, claiming a view the group never had.
         await link.send(
             _ring_frame(
@@ -665,7 +674,7 @@ async def _future_view_version(info: cluster.ClusterInfo) -> None:
 def test_a_ring_message_claiming_a_future_view_does_not_stall_the_member(tmp_path: Path) -> None:
     directory = tmp_path / "future-view"
     try:
-        info = cluster.up(2, directory, node_args=NODE_ARGS)
+        info = cluster.up(2, directory, node_args=NODE_ARGS, tls=True)
         _run(_future_view_version(info))
     finally:
         cluster.down(directory)
