@@ -25,8 +25,9 @@ from pathlib import Path
 
 import pytest
 
-from services import cli, cluster
+from services import certs, cli, cluster
 from services.coordinator.client import CoordinatorClient
+from tests.clusters import coordinator_client
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -535,33 +536,34 @@ def test_a_second_process_on_a_port_already_taken_exits_with_the_reason(tmp_path
 def test_a_second_node_with_a_running_nodes_id_exits_and_the_running_one_keeps_its_identity(tmp_path: Path) -> None:
     """A second node started as node1 once registered over node1 and got node1's queue member recorded
     dead: it now finds node1 answering at its registered address and exits 1 saying so."""
-    info = cluster.up(1, tmp_path / "cluster")
+    info = cluster.up(1, tmp_path / "cluster", tls=True)
     try:
         node1 = info.nodes[0]
+        registered = asyncio.run(_list_nodes(info))
+        [(name, address)] = registered  # where members reach node1: with TLS, its cluster port
+        assert name == "node1" and address != node1.address, registered
         before = node1.log.stat().st_size
+        ca, issued = certs.ca_paths(info.tls_dir), certs.node_paths(info.tls_dir, "node1")  # node1's certificate
         twin = subprocess.run(
             [sys.executable, "-m", "services.node", "--id", "node1", "--listen", "127.0.0.1:0",
-             "--coordinator", info.coordinator.address, "--data-dir", str(tmp_path / "twin")],
+             "--coordinator", info.coordinator.address, "--data-dir", str(tmp_path / "twin"),
+             "--tls-ca", str(ca.certificate), "--tls-cert", str(issued.certificate), "--tls-key", str(issued.key)],
             capture_output=True, text=True, timeout=60,
         )  # fmt: skip
         assert twin.returncode == 1, twin.stderr[-2000:]
         last = twin.stderr.strip().splitlines()[-1]
-        assert (
-            last
-            == f"ringq node: node id 'node1' is already running at {node1.address}: stop it first, or pick another id"
-        )
+        assert last == f"ringq node: node id 'node1' is already running at {address}: stop it first, or pick another id"
         assert cluster.is_alive(node1)
         with open(node1.log, "rb") as log:
             log.seek(before)
             assert b"dead" not in log.read(), "the running node1 lost a member to its twin"
-        listed = asyncio.run(_list_nodes(info.coordinator.address))
-        assert listed == [("node1", node1.address)], "the registration is still the running node's"
+        assert asyncio.run(_list_nodes(info)) == registered, "the registration is still the running node's"
     finally:
         cluster.down(info.directory)
 
 
-async def _list_nodes(address: str) -> list[tuple[str, str]]:
-    async with CoordinatorClient(address, retry_seconds=5) as client:
+async def _list_nodes(info: cluster.ClusterInfo) -> list[tuple[str, str]]:
+    async with coordinator_client(info, retry_seconds=5) as client:
         return await client.list_nodes()
 
 

@@ -30,7 +30,7 @@ from ringq.internal.v1 import coordinator_pb2, coordinator_pb2_grpc
 from ringq.v1 import queue_pb2, queue_pb2_grpc
 from services import certs, cluster
 from services.health_probe import main as probe_main
-from tests.clusters import NODE_ARGS
+from tests.clusters import GUEST, NODE_ARGS
 from tests.zookeeper import ZooKeeperServer, free_port, unavailable_reason
 
 pytestmark = pytest.mark.integration
@@ -89,8 +89,24 @@ def await_file(path: Path, process: subprocess.Popen[bytes]) -> str:
     return path.read_text()
 
 
-def ringqctl(node: str, *args: str) -> None:
-    command = [sys.executable, "-m", "ringq.ctl", "--node", node, *args]
+def client_status(address: str, ca: bytes, service: str = "") -> str:
+    """The status the health service on a node's client port at `address` gives `service`: over TLS trusting
+    the CA `ca`, with no credentials."""
+    with grpc.secure_channel(address, grpc.ssl_channel_credentials(ca)) as channel:
+        return check(channel, service)
+
+
+def ringqctl(node: str, tls_dir: Path, *args: str) -> None:
+    """ringqctl `args` through `node`, as guest over TLS trusting the CA in `tls_dir`."""
+    as_guest = [
+        "--tls-ca",
+        str(certs.ca_paths(tls_dir).certificate),
+        "--user",
+        GUEST.user,
+        "--password",
+        GUEST.password,
+    ]
+    command = [sys.executable, "-m", "ringq.ctl", "--node", node, *as_guest, *args]
     done = subprocess.run(command, capture_output=True, text=True, timeout=30, stdin=subprocess.DEVNULL, check=False)
     assert done.returncode == 0, done.stderr
 
@@ -119,6 +135,15 @@ class Watcher(threading.Thread):
 
 
 def test_a_node_serves_once_registered_and_not_while_drained_or_stopping(tmp_path: Path) -> None:
+    """With TLS and authentication on, as a production cluster runs (the --health-listen ports are plaintext
+    whatever the cluster's ports are: they are for probes that cannot do TLS)."""
+    tls_dir = tmp_path / "tls"
+    certs.cluster_material(tls_dir, ["node1"])
+    ca = certs.ca_paths(tls_dir).certificate
+
+    def tls_flags(issued: certs.Issued) -> list[str]:
+        return ["--tls-ca", str(ca), "--tls-cert", str(issued.certificate), "--tls-key", str(issued.key)]
+
     coordinator = f"127.0.0.1:{free_port()}"
     coordinator_health = f"127.0.0.1:{free_port()}"
     node_health = f"127.0.0.1:{free_port()}"
@@ -127,11 +152,12 @@ def test_a_node_serves_once_registered_and_not_while_drained_or_stopping(tmp_pat
     node_command = [
         sys.executable, "-m", "services.node", "--id", "node1", "--listen", "127.0.0.1:0",
         "--coordinator", coordinator, "--health-listen", node_health, "--ready-file", str(ready),
-        "--data-dir", str(tmp_path / "data" / "node1"), *NODE_ARGS,
+        "--data-dir", str(tmp_path / "data" / "node1"), *tls_flags(certs.node_paths(tls_dir, "node1")), *NODE_ARGS,
     ]  # fmt: skip
     coordinator_command = [
         sys.executable, "-m", "services.coordinator", "--listen", coordinator, "--db", str(tmp_path / "c.db"),
         "--health-listen", coordinator_health, "--ready-file", str(tmp_path / "run" / "coordinator.ready"),
+        *tls_flags(certs.coordinator_paths(tls_dir)),
     ]  # fmt: skip
     with running(node_command, tmp_path / "logs" / "node1.log") as node:
         # No coordinator yet: the node cannot register, and says so on its health port.
@@ -144,16 +170,17 @@ def test_a_node_serves_once_registered_and_not_while_drained_or_stopping(tmp_pat
             assert probe_main([node_health]) == 0
             address = await_file(ready, node)
             # The client port serves the health service too, for every service name the node serves.
-            assert plaintext_status(address) == "SERVING"
-            assert plaintext_status(address, "ringq.v1.QueueService") == "SERVING"
+            authority = ca.read_bytes()
+            assert client_status(address, authority) == "SERVING"
+            assert client_status(address, authority, "ringq.v1.QueueService") == "SERVING"
             with pytest.raises(grpc.RpcError) as unknown:
-                plaintext_status(address, "no.such.Service")
+                client_status(address, authority, "no.such.Service")
             assert unknown.value.code() == grpc.StatusCode.NOT_FOUND
 
-            ringqctl(address, "drain_node", "node1")
+            ringqctl(address, tls_dir, "drain_node", "node1")
             await_status(node_health, "NOT_SERVING")
-            assert plaintext_status(address) == "NOT_SERVING"
-            ringqctl(address, "undrain_node", "node1")
+            assert client_status(address, authority) == "NOT_SERVING"
+            ringqctl(address, tls_dir, "undrain_node", "node1")
             await_status(node_health, "SERVING")
 
             # SIGTERM: NOT_SERVING is the first thing the node says, before it stops serving.
