@@ -16,7 +16,7 @@ import pytest
 from ringq import aio
 from ringq.errors import InvalidArgument
 from services import cluster
-from tests.clusters import live_cluster
+from tests.clusters import GUEST, access, live_cluster
 
 pytestmark = pytest.mark.integration
 PATH_LIKE = [
@@ -33,9 +33,15 @@ PER_QUEUE = 20
 
 
 async def _publish_and_count(info: cluster.ClusterInfo) -> dict[tuple[str, str], int]:
+    # Vhosts exist before they are used (RabbitMQ's rule, kept with authentication on): the path-like
+    # ones are made, with every permission in them for guest.
+    for vhost in sorted({vhost for vhost, _ in PATH_LIKE} - {"/"}):
+        async with aio.Admin(info.node_addresses, vhost=vhost, **access(info)) as admin:
+            await admin.add_vhost(vhost)
+            await admin.set_permissions(GUEST.user, configure=".*", write=".*", read=".*")
     counts: dict[tuple[str, str], int] = {}
     for vhost, name in PATH_LIKE:
-        async with aio.Connection([n.address for n in info.nodes], vhost=vhost) as connection:
+        async with aio.Connection(info.node_addresses, vhost=vhost, **access(info)) as connection:
             await connection.declare_queue(name, durable=True)
             bodies = [f"{vhost}|{name}|{i}".encode() for i in range(PER_QUEUE)]
             outcomes = await connection.producer(name).publish_many(bodies, persistent=True)
@@ -61,7 +67,7 @@ def test_path_like_and_longest_names_are_ordinary_durable_queues(tmp_path: Path)
 
         async def drained() -> None:
             for vhost, name in PATH_LIKE:
-                async with aio.Connection([n.address for n in restarted], vhost=vhost) as connection:
+                async with aio.Connection([n.address for n in restarted], vhost=vhost, **access(info)) as connection:
                     # Served again first: what this test is about is names, not consuming during a
                     # recovery (a consumer relayed while its queue recovered once hung: see issue 10's note).
                     deadline = time.monotonic() + 60
@@ -96,8 +102,13 @@ def test_a_name_that_breaks_the_rule_is_refused_with_the_reason(
     with live_cluster(tmp_path / "cluster", {}, nodes=1) as info:
 
         async def scenario() -> None:
-            async with aio.Connection([info.nodes[0].address], vhost=vhost, retry_for=1) as connection:
-                for call in (connection.declare_queue(name, durable=True), connection.queue_status(name)):
+            async with aio.Connection([info.nodes[0].address], vhost=vhost, retry_for=1, **access(info)) as connection:
+                calls = (
+                    connection.declare_queue(name, durable=True),
+                    connection.queue_status(name),
+                    connection.producer(name).publish(b"refused"),
+                )
+                for call in calls:
                     with pytest.raises(InvalidArgument) as refused:
                         await call
                     assert refused.value.code == grpc.StatusCode.INVALID_ARGUMENT

@@ -219,8 +219,25 @@ class QueueServicer(queue_pb2_grpc.QueueServiceServicer):
         """The local master or a stub to the master's node (relaying the caller's user), once the caller
         may `operation` the queue; the call is aborted otherwise. (Names are checked where a queue is looked
         up, as before: not again on the hot path of a local master.)"""
-        principal = await self.access.allow(context, _vhost(ref), operation, ref.queue)
+        try:
+            principal = await self.access.principal(context)
+            await self._permit(principal, ref, operation)
+        except Refused as refused:
+            await context.abort(refused.code, refused.details)
         return await self._route_for(principal, ref, context)
+
+    async def _permit(self, principal: Principal, ref: queue_pb2.QueueRef, operation: Operation) -> None:
+        """Refused unless `principal` may `operation` the queue `ref` names. A name no queue can have
+        (ringq.names) is refused as INVALID_ARGUMENT naming the field, not as the missing vhost or permission
+        it also is: as DeclareQueue and a node without TLS refuse it (the name is looked at only once the
+        access check has failed, so not on the hot path)."""
+        try:
+            await self.access.permit(principal, _vhost(ref), operation, ref.queue)
+        except Refused as refused:
+            problem = _ref_problem(ref) if refused.code == grpc.StatusCode.PERMISSION_DENIED else ""
+            if problem:
+                raise Refused(grpc.StatusCode.INVALID_ARGUMENT, problem) from None
+            raise
 
     async def _route_for(
         self, principal: Principal, ref: queue_pb2.QueueRef, context: _Context
@@ -405,7 +422,7 @@ class QueueServicer(queue_pb2_grpc.QueueServiceServicer):
                     key = (_vhost(request.queue), request.queue.queue)
                     if key not in routes:
                         try:
-                            await self.access.permit(principal, key[0], Operation.WRITE, key[1])
+                            await self._permit(principal, request.queue, Operation.WRITE)
                             replica, stub, record = await self._find(request.queue)
                         except Refused as refused:
                             pending.put_nowait(failed(refused))
