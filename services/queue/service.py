@@ -219,12 +219,18 @@ class QueueServicer(queue_pb2_grpc.QueueServiceServicer):
         """The local master or a stub to the master's node (relaying the caller's user), once the caller
         may `operation` the queue; the call is aborted otherwise. (Names are checked where a queue is looked
         up, as before: not again on the hot path of a local master.)"""
+        principal = await self._allow(context, ref, operation)
+        return await self._route_for(principal, ref, context)
+
+    async def _allow(self, context: _Context, ref: queue_pb2.QueueRef, operation: Operation) -> Principal:
+        """The call's principal, once it may `operation` the queue `ref` names (as `_permit`); the call is
+        aborted otherwise."""
         try:
             principal = await self.access.principal(context)
             await self._permit(principal, ref, operation)
         except Refused as refused:
             await context.abort(refused.code, refused.details)
-        return await self._route_for(principal, ref, context)
+        return principal
 
     async def _permit(self, principal: Principal, ref: queue_pb2.QueueRef, operation: Operation) -> None:
         """Refused unless `principal` may `operation` the queue `ref` names. A name no queue can have
@@ -620,7 +626,7 @@ class QueueServicer(queue_pb2_grpc.QueueServiceServicer):
         if problem:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
         if request.settlements and request.messages:  # settling needs read, publishing write: both here
-            await self.access.allow(context, _vhost(request.queue), Operation.READ, request.queue.queue)
+            await self._allow(context, request.queue, Operation.READ)
         operation = Operation.WRITE if request.messages else Operation.READ
         replica, stub, _ = await self._route(request.queue, context, operation)
         if stub is not None:
