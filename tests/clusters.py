@@ -160,11 +160,11 @@ def live_cluster(
     policies: Mapping[str, tuple[str, Mapping[str, Any]]] = HA_ALL,
     nodes: int = 3,
     node_args: Sequence[str] = NODE_ARGS,
-    tls: bool = False,
+    tls: bool = True,
 ) -> Iterator[cluster.ClusterInfo]:
-    """`nodes` nodes and a coordinator in `directory` (with mutual TLS and users if `tls`), with `policies`
-    (name -> (pattern, definition)), each node started with `node_args`; yields once the coordinator counts
-    every node live."""
+    """`nodes` nodes and a coordinator in `directory`, with mutual TLS and users (`tls` False: the plaintext
+    development mode), with `policies` (name -> (pattern, definition)), each node started with `node_args`;
+    yields once the coordinator counts every node live."""
     info = cluster.up(nodes, directory, node_args=node_args, tls=tls)
     try:
         with ringq.Admin(info.node_addresses, **access(info)) as admin:

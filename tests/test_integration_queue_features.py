@@ -8,22 +8,21 @@ consumer (queue argument x-single-active-consumer).
 from __future__ import annotations
 
 import asyncio
-import json
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
+from typing import Any
 
 import grpc
 import pytest
 
 from ringq import aio
 from ringq.errors import InvalidArgument, NotFound, RingqError
-from ringq.v1 import admin_pb2_grpc, cluster_pb2
 from services import cluster
-from tests.clusters import NODE_ARGS, every_node_live
+from tests.clusters import connection, live_cluster
 
 pytestmark = pytest.mark.integration
 
-POLICIES = {
+POLICIES: Mapping[str, tuple[str, Mapping[str, Any]]] = {
     "reject": ("^reject\\.", {"max-length": 3, "overflow": "reject-publish"}),
     "drop": ("^drop\\.", {"max-length": 2}),
     "ttl": ("^ttl\\.", {"message-ttl": 200, "dead-letter-queue": "dead.ttl"}),
@@ -32,25 +31,9 @@ POLICIES = {
 
 
 @pytest.fixture(scope="module")
-def nodes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[str]]:
-    directory = tmp_path_factory.mktemp("features")
-    info = cluster.up(2, directory, node_args=NODE_ARGS)
-
-    async def setup() -> None:
-        async with grpc.aio.insecure_channel(info.coordinator.address) as channel:
-            stub = admin_pb2_grpc.AdminServiceStub(channel)
-            for name, (pattern, definition) in POLICIES.items():
-                policy = cluster_pb2.Policy(
-                    vhost="/", name=name, pattern=pattern, definition_json=json.dumps(definition)
-                )
-                await stub.SetPolicy(cluster_pb2.SetPolicyRequest(policy=policy))
-        await every_node_live(info)
-
-    asyncio.run(setup())
-    try:
-        yield [n.address for n in info.nodes]
-    finally:
-        cluster.down(directory)
+def features(tmp_path_factory: pytest.TempPathFactory) -> Iterator[cluster.ClusterInfo]:
+    with live_cluster(tmp_path_factory.mktemp("features"), POLICIES, nodes=2) as info:
+        yield info
 
 
 async def _bodies(client: aio.Connection, queue: str) -> list[bytes]:
@@ -68,9 +51,9 @@ async def _dead_letter(client: aio.Connection, queue: str, what: str) -> aio.Del
     return got
 
 
-def test_max_length_with_reject_publish_and_drop_head(nodes: list[str]) -> None:
+def test_max_length_with_reject_publish_and_drop_head(features: cluster.ClusterInfo) -> None:
     async def scenario() -> None:
-        async with aio.Connection(nodes) as client:
+        async with connection(features) as client:
             await client.declare_queue("reject.q")
             outcomes = await client.producer("reject.q").publish_many([b"1", b"2", b"3", b"4", b"5"])
             assert outcomes == [aio.Outcome.CONFIRMED] * 3 + [aio.Outcome.REJECTED] * 2
@@ -82,9 +65,9 @@ def test_max_length_with_reject_publish_and_drop_head(nodes: list[str]) -> None:
     asyncio.run(scenario())
 
 
-def test_expired_messages_are_dead_lettered_with_the_reason(nodes: list[str]) -> None:
+def test_expired_messages_are_dead_lettered_with_the_reason(features: cluster.ClusterInfo) -> None:
     async def scenario() -> None:
-        async with aio.Connection(nodes) as client:
+        async with connection(features) as client:
             await client.declare_queue("dead.ttl")
             await client.declare_queue("ttl.q")
             await client.producer("ttl.q").publish(b"short-lived")
@@ -96,9 +79,9 @@ def test_expired_messages_are_dead_lettered_with_the_reason(nodes: list[str]) ->
     asyncio.run(scenario())
 
 
-def test_a_poison_message_goes_to_its_dead_letter_queue_after_the_delivery_limit(nodes: list[str]) -> None:
+def test_a_poison_message_goes_to_its_dead_letter_queue_after_the_delivery_limit(features: cluster.ClusterInfo) -> None:
     async def scenario() -> None:
-        async with aio.Connection(nodes) as client:
+        async with connection(features) as client:
             await client.declare_queue("dead.poison")
             await client.declare_queue("poison.q")
             await client.producer("poison.q").publish(b"poison")
@@ -117,9 +100,9 @@ def test_a_poison_message_goes_to_its_dead_letter_queue_after_the_delivery_limit
     asyncio.run(scenario())
 
 
-def test_single_active_consumer(nodes: list[str]) -> None:
+def test_single_active_consumer(features: cluster.ClusterInfo) -> None:
     async def scenario() -> None:
-        async with aio.Connection(nodes) as client:
+        async with connection(features) as client:
             await client.declare_queue("sac.q", arguments={"x-single-active-consumer": True})
             first = client.consumer("sac.q", prefetch=10)
             second = client.consumer("sac.q", prefetch=10)
@@ -140,12 +123,12 @@ def test_single_active_consumer(nodes: list[str]) -> None:
     asyncio.run(scenario())
 
 
-def test_queue_arguments_bound_a_queue_with_its_policy_and_bad_ones_are_refused(nodes: list[str]) -> None:
+def test_queue_arguments_bound_a_queue_with_its_policy_and_bad_ones_are_refused(features: cluster.ClusterInfo) -> None:
     """Arguments were accepted whatever their type (x-max-length "ten") and never applied: they are now
     validated as policies are, and the lower of the policy's limit and the argument's applies."""
 
     async def scenario() -> None:
-        async with aio.Connection(nodes) as client:
+        async with connection(features) as client:
             # The policy "drop" says max-length 2 (drop-head); the argument asks 5 with reject-publish:
             # the lower length (2) and the argument's overflow apply.
             await client.declare_queue("drop.args", arguments={"x-max-length": 5, "x-overflow": "reject-publish"})
@@ -172,13 +155,15 @@ def test_queue_arguments_bound_a_queue_with_its_policy_and_bad_ones_are_refused(
     asyncio.run(scenario())
 
 
-def test_a_deleted_queue_confirms_and_delivers_nothing_once_the_delete_has_returned(nodes: list[str]) -> None:
+def test_a_deleted_queue_confirms_and_delivers_nothing_once_the_delete_has_returned(
+    features: cluster.ClusterInfo,
+) -> None:
     """delete_queue returned before the queue stopped: publishes were confirmed, and delivered, a few ms
     later. The master now stops serving the queue before it answers."""
 
     async def scenario() -> None:
         for attempt in range(5):
-            async with aio.Connection(nodes) as client, aio.Connection(nodes) as admin:
+            async with connection(features) as client, connection(features) as admin:
                 queue = f"deleted.{attempt}"
                 await client.declare_queue(queue)
                 producer = client.producer(queue, publisher_id="p")
@@ -201,9 +186,9 @@ def test_a_deleted_queue_confirms_and_delivers_nothing_once_the_delete_has_retur
     asyncio.run(scenario())
 
 
-def test_an_auto_delete_queue_goes_with_its_last_consumer(nodes: list[str]) -> None:
+def test_an_auto_delete_queue_goes_with_its_last_consumer(features: cluster.ClusterInfo) -> None:
     async def scenario() -> None:
-        async with aio.Connection(nodes) as client:
+        async with connection(features) as client:
             await client.declare_queue("auto.q", auto_delete=True)
             await client.producer("auto.q").publish(b"m")
             consumer = client.consumer("auto.q", prefetch=10)

@@ -277,7 +277,9 @@ def test_the_readme_producer_and_consumer_against_a_live_cluster(sdk_venv: Venv,
     from tests.clusters import live_cluster
 
     expected = [f"b'order {i}' False" for i in range(1, 100)]
-    with live_cluster(tmp_path / "cluster") as info:
+    # Plaintext: the snippet, as the README gives it, is for the development cluster its quick start runs
+    # (`ringq cluster up` without --tls), which takes clients without TLS or credentials.
+    with live_cluster(tmp_path / "cluster", tls=False) as info:
         snippet = _readme_snippet(info.node_addresses)
         env = {**_clean_env(), "PYTHONUNBUFFERED": "1"}
         process = subprocess.Popen(
