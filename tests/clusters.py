@@ -87,10 +87,14 @@ def member(info: cluster.ClusterInfo, as_node: str = MEMBER) -> Dialer:
     """How a test reaches `info`'s coordinator and nodes' cluster ports as a cluster member: as node `as_node`
     (MEMBER unless told), with its certificate (made in the cluster's TLS directory if missing) on a TLS
     cluster; plaintext on a plaintext one."""
-    if not info.tls:
-        return PLAINTEXT
-    certs.issue_node(info.tls_dir, as_node)
-    return Dialer(certs.load_node(info.tls_dir, as_node))
+    return member_in(info.tls_dir, as_node) if info.tls else PLAINTEXT
+
+
+def member_in(tls_dir: Path, as_node: str = MEMBER) -> Dialer:
+    """A Dialer with the certificate of node `as_node` of the cluster CA in `tls_dir` (made if missing): for
+    processes a test starts by hand, with no ClusterInfo."""
+    certs.issue_node(tls_dir, as_node)
+    return Dialer(certs.load_node(tls_dir, as_node))
 
 
 def coordinator_channel(info: cluster.ClusterInfo) -> grpc.aio.Channel:

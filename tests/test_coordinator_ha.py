@@ -3,7 +3,8 @@
 Three coordinator processes share one ZooKeeper; any of them serves any call.
 Killing (SIGKILL) the one a client or a broker node is using must not stop
 its metadata calls: the next one succeeds through another coordinator within
-two seconds.
+two seconds. Every process runs with mutual TLS, clients authenticated, as in
+production.
 """
 
 from __future__ import annotations
@@ -21,8 +22,11 @@ from pathlib import Path
 import pytest
 
 from ringq.group import GroupMembership
+from ringq.security import TLS
+from services import certs
 from services.coordinator.client import CoordinatorClient
 from services.coordinator.group_table import CreateGroup, GroupMember, Outcome
+from tests.clusters import GUEST, member_in
 
 pytestmark = pytest.mark.integration
 FAILOVER_BOUND_SECONDS = 2.0
@@ -38,9 +42,18 @@ def _wait_ready(ready: Path, process: subprocess.Popen[bytes], timeout: float = 
 
 
 class Processes:
+    """Processes started by hand, with TLS: each takes a certificate of the cluster CA in DIR/tls."""
+
     def __init__(self, directory: Path) -> None:
         self.directory = directory
         self.started: list[subprocess.Popen[bytes]] = []
+        self.tls_dir = directory / "tls"
+        certs.cluster_material(self.tls_dir, ["node1"])
+        self.client_tls = TLS(ca=certs.ca_paths(self.tls_dir).certificate)
+
+    def tls_flags(self, issued: certs.Issued) -> list[str]:
+        ca = certs.ca_paths(self.tls_dir).certificate
+        return ["--tls-ca", str(ca), "--tls-cert", str(issued.certificate), "--tls-key", str(issued.key)]
 
     def start(self, name: str, *args: str) -> tuple[subprocess.Popen[bytes], str]:
         ready = self.directory / f"{name}.ready"
@@ -75,8 +88,10 @@ def processes(tmp_path: Path) -> Iterator[Processes]:
 def _coordinators(processes: Processes, zookeeper: str) -> list[tuple[subprocess.Popen[bytes], str]]:
     root = f"/ringq-ha-{uuid.uuid4().hex[:8]}"
     store = ["--store", "zookeeper", "--zookeeper", zookeeper, "--zookeeper-root", root]
+    tls = processes.tls_flags(certs.coordinator_paths(processes.tls_dir))
     return [
-        processes.start(f"coordinator{i}", "services.coordinator", "--listen", "127.0.0.1:0", *store) for i in range(3)
+        processes.start(f"coordinator{i}", "services.coordinator", "--listen", "127.0.0.1:0", *store, *tls)
+        for i in range(3)
     ]
 
 
@@ -85,7 +100,7 @@ def test_a_client_fails_over_to_another_coordinator_within_two_seconds(processes
     addresses = [address for _, address in coordinators]
 
     async def scenario() -> float:
-        client = CoordinatorClient(addresses)
+        client = CoordinatorClient(addresses, dialer=member_in(processes.tls_dir, "n1"))  # as node n1, m1's
         outcome, group = await client.change_group("ha", CreateGroup(0, GroupMember("m1", "n1")))
         assert outcome is Outcome.APPLIED
         in_use = client.current_address
@@ -108,16 +123,18 @@ def test_a_client_fails_over_to_another_coordinator_within_two_seconds(processes
 def test_a_node_keeps_working_when_its_coordinator_is_killed(processes: Processes, zookeeper: str) -> None:
     coordinators = _coordinators(processes, zookeeper)
     addresses = ",".join(address for _, address in coordinators)
+    tls = processes.tls_flags(certs.node_paths(processes.tls_dir, "node1"))
     _, node = processes.start(
-        "node1", "services.node", "--id", "node1", "--listen", "127.0.0.1:0", "--coordinator", addresses
+        "node1", "services.node", "--id", "node1", "--listen", "127.0.0.1:0", "--coordinator", addresses, *tls
     )
+    access = {"tls": processes.client_tls, "credentials": GUEST}
 
     async def scenario() -> float:
-        first = await GroupMembership.join(node, "before")
+        first = await GroupMembership.join(node, "before", **access)
         os.kill(coordinators[0][0].pid, signal.SIGKILL)  # the node's client uses the first address first
         coordinators[0][0].wait()
         started = time.monotonic()
-        second = await GroupMembership.join(node, "after")  # reads and writes the group table
+        second = await GroupMembership.join(node, "after", **access)  # reads and writes the group table
         elapsed = time.monotonic() - started
         await second.broadcast([b"x"], confirmed=True)
         for membership in (first, second):
