@@ -127,14 +127,14 @@ def test_a_node_keeps_working_when_its_coordinator_is_killed(processes: Processe
     _, node = processes.start(
         "node1", "services.node", "--id", "node1", "--listen", "127.0.0.1:0", "--coordinator", addresses, *tls
     )
-    access = {"tls": processes.client_tls, "credentials": GUEST}
 
     async def scenario() -> float:
-        first = await GroupMembership.join(node, "before", **access)
+        first = await GroupMembership.join(node, "before", tls=processes.client_tls, credentials=GUEST)
         os.kill(coordinators[0][0].pid, signal.SIGKILL)  # the node's client uses the first address first
         coordinators[0][0].wait()
         started = time.monotonic()
-        second = await GroupMembership.join(node, "after", **access)  # reads and writes the group table
+        # The join reads and writes the group table.
+        second = await GroupMembership.join(node, "after", tls=processes.client_tls, credentials=GUEST)
         elapsed = time.monotonic() - started
         await second.broadcast([b"x"], confirmed=True)
         for membership in (first, second):
