@@ -23,7 +23,9 @@ The measured promotion time, resume and convergence times and counts are printed
 
 The test process only builds the network and orchestrates: every client of the cluster runs inside a
 namespace, as a driver (`python -m tests.test_partition COMMAND ...`, this module) that prints JSON or
-writes it to files. Skipped unless this machine lets root make network namespaces.
+writes it to files. The cluster runs with mutual TLS between its members and authenticated clients, as in
+production (the drivers act as an administrator of its own: guest logs in from loopback only). Skipped
+unless this machine lets root make network namespaces.
 """
 
 from __future__ import annotations
@@ -48,8 +50,11 @@ from ringq import aio
 from ringq.errors import RingqError
 from ringq.internal.v1 import coordinator_pb2, coordinator_pb2_grpc
 from ringq.models import QueueStatus
+from ringq.security import TLS, Credentials
 from ringq.v1 import cluster_pb2
+from services import certs
 from tests import netns
+from tests.clusters import member_in
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 
@@ -79,6 +84,16 @@ PARTITION_LIMIT = 10.0  # the cut lasts at most this long, waiting for publishin
 # messages forwarded to the master); one beside the master, on its host; and the probe after the heal.
 DIRECT, FORWARDED, BESIDE, PROBE = "direct", "forwarded", "beside-master", "probe"
 _REPO = Path(__file__).resolve().parents[1]
+# The cluster runs with mutual TLS and authenticated clients. Its clients reach it from the bridge, not
+# from loopback, where guest may not log in: the coordinator makes this administrator at its first start.
+USER, PASSWORD = "partition", "partition-secret"
+# Where the drivers find the cluster's CA (and make their member certificate, as tests/clusters.MEMBER).
+TLS_DIR_ENV = "RINGQ_TEST_TLS_DIR"
+
+
+def _kept(publisher: str) -> str:
+    """A publisher id as the queue keeps it (and deliveries show it): scoped to USER, who publishes."""
+    return f"{USER}\x1f{publisher}"
 
 
 # ============================================================================ the drivers (in namespaces)
@@ -95,9 +110,20 @@ def _write_json(path: Path, value: object) -> None:
     os.replace(tmp, path)
 
 
+def _access() -> dict[str, Any]:
+    """A driver's `tls` and `credentials` for the cluster's client ports: TLS trusting its CA, as USER."""
+    ca = certs.ca_paths(Path(os.environ[TLS_DIR_ENV])).certificate
+    return {"tls": TLS(ca=ca), "credentials": Credentials(USER, PASSWORD)}
+
+
+def _coordinator_channel(coordinator: str) -> grpc.aio.Channel:
+    """A channel to the coordinator's internal API as a cluster member (tests/clusters.MEMBER)."""
+    return member_in(Path(os.environ[TLS_DIR_ENV])).to_coordinator(coordinator)
+
+
 async def _status(address: str) -> QueueStatus | None:
     """QueueStatus through one node, without retries elsewhere; None if it does not answer in time."""
-    connection = aio.Connection([address], retry_for=0.0, call_timeout=1.0, connect_timeout=1.0)
+    connection = aio.Connection([address], retry_for=0.0, call_timeout=1.0, connect_timeout=1.0, **_access())
     try:
         return await connection.queue_status(QUEUE)
     except RingqError:
@@ -107,7 +133,7 @@ async def _status(address: str) -> QueueStatus | None:
 
 
 async def _queue_record(coordinator: str) -> cluster_pb2.QueueRecord:
-    async with grpc.aio.insecure_channel(coordinator) as channel:
+    async with _coordinator_channel(coordinator) as channel:
         stub = coordinator_pb2_grpc.CoordinatorServiceStub(channel)
         response = await stub.GetQueue(coordinator_pb2.GetQueueRequest(vhost="/", name=QUEUE), timeout=2.0)
     return response.queue
@@ -115,7 +141,7 @@ async def _queue_record(coordinator: str) -> cluster_pb2.QueueRecord:
 
 async def _members(coordinator: str, group: str) -> list[list[Any]]:
     """The queue's GM group table: [member id, node, alive] in ring order."""
-    async with grpc.aio.insecure_channel(coordinator) as channel:
+    async with _coordinator_channel(coordinator) as channel:
         stub = coordinator_pb2_grpc.CoordinatorServiceStub(channel)
         response = await stub.ReadGroup(coordinator_pb2.ReadGroupRequest(group=group), timeout=2.0)
     return [[m.id, m.node, m.alive] for m in response.group.members]
@@ -124,14 +150,14 @@ async def _members(coordinator: str, group: str) -> list[list[Any]]:
 async def _setup(coordinator: str, nodes: list[str]) -> dict[str, Any]:
     """Mirror ha.* on every node, wait until every node is live, declare the queue through the first node,
     wait until both mirrors are synchronised."""
-    admin = aio.Admin(nodes)
+    admin = aio.Admin(nodes, **_access())
     await admin.set_policy("ha", "^ha\\.", HA_POLICY)
     deadline = time.monotonic() + 30
     while sum(n.alive for n in (await admin.cluster_status()).nodes) < len(nodes):
         assert time.monotonic() < deadline, "not every node became live"
         await asyncio.sleep(0.1)
     await admin.close()
-    async with aio.Connection(nodes[:1]) as connection:
+    async with aio.Connection(nodes[:1], **_access()) as connection:
         declared = await connection.declare_queue(QUEUE, durable=True)
         while len((status := await connection.queue_status(QUEUE)).synchronised_mirrors) < len(nodes) - 1:
             assert time.monotonic() < deadline, f"mirrors did not synchronise: {status}"
@@ -167,7 +193,7 @@ class _Confirms:
 async def _produce(nodes: list[str], publisher: str, progress: Path, stop: Path, out: Path) -> None:
     """Publish persistent messages at a steady pace until `stop` exists; then wait for the confirms
     still due (bounded), and write every outcome to `out`. `progress` is rewritten every 0.1 s."""
-    connection = aio.Connection(nodes, retry_for=60.0)
+    connection = aio.Connection(nodes, retry_for=60.0, **_access())
     producer = connection.producer(QUEUE, publisher_id=publisher, window=WINDOW, batch=BATCH, persistent=True)
     confirms = _Confirms()
 
@@ -234,7 +260,7 @@ async def _member_dead(coordinator: str, group: str, member: str, deadline: floa
 
 async def _probe(nodes: list[str], publisher: str) -> dict[str, Any]:
     """Publish PROBES messages through `nodes` (one node: no failover) and report their outcomes."""
-    async with aio.Connection(nodes, retry_for=20.0) as connection:
+    async with aio.Connection(nodes, retry_for=20.0, **_access()) as connection:
         producer = connection.producer(QUEUE, publisher_id=publisher, persistent=True)
         bodies = [f"{publisher}:{seq}".encode() for seq in range(1, PROBES + 1)]
         outcomes = await asyncio.wait_for(producer.publish_many(bodies), 30)
@@ -243,12 +269,13 @@ async def _probe(nodes: list[str], publisher: str) -> dict[str, Any]:
 
 
 async def _drain(nodes: list[str], expect: Path, deadline: float) -> dict[str, Any]:
-    """Consume until every expected (publisher, seq) came and nothing more comes for a second (or `deadline`
-    seconds have passed); write every delivery, in order, as [publisher, seq, redelivered]."""
-    expected = {(p, s) for p, s in json.loads(expect.read_text(encoding="utf-8"))}
+    """Consume until every expected (publisher, seq) came (publishers as the producers named them) and nothing
+    more comes for a second (or `deadline` seconds have passed); write every delivery, in order, as
+    [publisher, seq, redelivered], the publisher as the queue keeps it (`_kept`)."""
+    expected = {(_kept(p), s) for p, s in json.loads(expect.read_text(encoding="utf-8"))}
     deliveries: list[list[Any]] = []
     seen: set[tuple[str, int]] = set()
-    async with aio.Connection(nodes, retry_for=30.0) as connection:
+    async with aio.Connection(nodes, retry_for=30.0, **_access()) as connection:
         consumer = connection.consumer(QUEUE, prefetch=1000)
         iterator = aiter(consumer)
         last: aio.Delivery | None = None
@@ -325,9 +352,23 @@ class _Cluster:
     def logs(self) -> Path:
         return self.directory / "logs"
 
+    @property
+    def tls_dir(self) -> Path:
+        return self.directory / "tls"
+
     def env(self) -> dict[str, str]:
         paths = [str(_REPO), str(_REPO / "clients" / "python"), os.environ.get("PYTHONPATH", "")]
-        return dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=os.pathsep.join(p for p in paths if p))
+        return dict(
+            os.environ,
+            PYTHONUNBUFFERED="1",
+            PYTHONPATH=os.pathsep.join(p for p in paths if p),
+            RINGQ_DEFAULT_PASSWORD=PASSWORD,  # the coordinator's first start makes USER with it
+            **{TLS_DIR_ENV: str(self.tls_dir)},
+        )
+
+    def tls_flags(self, issued: certs.Issued) -> list[str]:
+        ca = certs.ca_paths(self.tls_dir).certificate
+        return ["--tls-ca", str(ca), "--tls-cert", str(issued.certificate), "--tls-key", str(issued.key)]
 
     def spawn(self, host: str, name: str, argv: Sequence[str]) -> subprocess.Popen[bytes]:
         """Start `argv` on `host`, its output in logs/<name>.log."""
@@ -369,7 +410,8 @@ def _start(
     driver_module: str = "tests.test_partition",
 ) -> _Cluster:
     """The coordinator on `coordinator_host` and each node on its host (node id -> host), bound to (and
-    advertising) its host's address; the driver commands run `driver_module`."""
+    advertising) its host's address, with mutual TLS (each node's certificate names its host's address, which
+    clients dial) and USER as the administrator; the driver commands run `driver_module`."""
     hosts = net.hosts
     cluster = _Cluster(
         net=net,
@@ -380,13 +422,17 @@ def _start(
     )
     for sub in ("logs", "run", "data", "results"):
         (directory / sub).mkdir(parents=True, exist_ok=True)
+    for node, host in node_hosts.items():
+        certs.issue_node(cluster.tls_dir, node, hosts=[hosts[host].ip])
+    certs.issue_coordinator(cluster.tls_dir)
     python = sys.executable
     ready = directory / "run" / "coordinator.ready"
     coordinator = cluster.spawn(
         coordinator_host,
         "coordinator",
         [python, "-m", "services.coordinator", "--listen", cluster.coordinator, "--db", str(directory / "c.db"),
-         "--ready-file", str(ready)],
+         "--ready-file", str(ready), "--default-user", USER,
+         *cluster.tls_flags(certs.coordinator_paths(cluster.tls_dir))],
     )  # fmt: skip
     _wait_ready({"coordinator": (coordinator, ready)}, 30)
     started = {}
@@ -394,7 +440,8 @@ def _start(
         ready = directory / "run" / f"{node}.ready"
         argv = [python, "-m", "services.node", "--id", node, "--listen", cluster.nodes[node],
                 "--advertise", cluster.nodes[node], "--coordinator", cluster.coordinator, "--ready-file", str(ready),
-                "--data-dir", str(directory / "data" / node), *NODE_TIMERS]  # fmt: skip
+                "--data-dir", str(directory / "data" / node),
+                *cluster.tls_flags(certs.node_paths(cluster.tls_dir, node)), *NODE_TIMERS]  # fmt: skip
         started[node] = (cluster.spawn(host, node, argv), ready)
     _wait_ready(started, 30)
     return cluster
@@ -470,7 +517,9 @@ class _Observed:
 
 def _check_history(confirmed: dict[str, set[int]], deliveries: list[list[Any]]) -> dict[str, int]:
     """Every confirmed message delivered; repeats only redelivered; each publisher in order but for
-    redeliveries. Returns counts for the report."""
+    redeliveries. `confirmed`: seqs by publisher as the producers named them; `deliveries`: as `_drain`
+    wrote them. Returns counts for the report."""
+    confirmed = {_kept(publisher): seqs for publisher, seqs in confirmed.items()}
     counts: dict[tuple[str, int], int] = {}
     flagged: dict[tuple[str, int], int] = {}
     last_fresh: dict[str, int] = {}

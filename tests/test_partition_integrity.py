@@ -37,7 +37,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import grpc
 import pytest
 
 from ringq.v1 import admin_pb2_grpc, cluster_pb2
@@ -62,7 +61,7 @@ POLL_SECONDS = 0.1
 
 
 async def _liveness(coordinator: str) -> dict[str, bool]:
-    async with grpc.aio.insecure_channel(coordinator) as channel:
+    async with partition._coordinator_channel(coordinator) as channel:
         stub = admin_pb2_grpc.AdminServiceStub(channel)
         response = await stub.ClusterStatus(cluster_pb2.ClusterStatusRequest(), timeout=2.0)
     return {node.node: node.alive for node in response.nodes}
