@@ -939,7 +939,9 @@ class Admin:
         await self.nodes.close()
 
 
-def _note_received(telemetry: tracing.ClientTelemetry, queue: str, delivery: Delivery, started: float | None = None) -> None:
+def _note_received(
+    telemetry: tracing.ClientTelemetry, queue: str, delivery: Delivery, started: float | None = None
+) -> None:
     """Tell the client's telemetry a delivery reached the application (`started`: when a get began)."""
     if telemetry.tracing or telemetry.metering:
         telemetry.received(
