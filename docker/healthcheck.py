@@ -113,8 +113,10 @@ def main(argv: Sequence[str]) -> int:
         print(f"healthcheck: no process with --listen here; give HOST:PORT or set ${ADDRESS_VARIABLE}", file=sys.stderr)
         return 1
     else:
+        # The TLS files of the process serving that address only (another process's would fail the handshake).
+        serving = [line for line in lines if listen_address([line]) == address] if given else lines
         try:
-            problem = probe(address, tls=tls_files(lines))
+            problem = probe(address, tls=tls_files(serving))
         except OSError as error:
             problem = f"cannot read the TLS files: {error}"
     if problem is not None:
