@@ -133,6 +133,11 @@ def test_one_connection_has_at_most_max_streams_open_and_the_rest_wait(bounded: 
                 assert await consumers(connected) <= limit
                 for call in calls:
                     call.cancel()
+                # A write still waiting for its stream to open is not ended by its call's cancel: grpc.aio waits
+                # for the call's initial metadata to be sent, which a call cancelled before its stream opened
+                # never signals (seen as a rare hang here, the loop idle). End those writes too.
+                for reader in readers:
+                    reader.cancel()
                 await asyncio.gather(*readers, return_exceptions=True)
             await _until(lambda: consumers(connected), lambda n: n == 0)
 
