@@ -42,7 +42,7 @@ import ringq
 from ringq import tracing
 from ringq.internal.v1 import peer_pb2, peer_pb2_grpc
 from ringq.keepalive import SERVER_KEEPALIVE
-from ringq.v1 import admin_pb2, group_pb2, group_pb2_grpc, queue_pb2, queue_pb2_grpc
+from ringq.v1 import admin_pb2, group_pb2, group_pb2_grpc, queue_pb2, queue_pb2_grpc, stream_pb2, stream_pb2_grpc
 from services import config, telemetry
 from services import tls as tls_flags
 from services.access import DEFAULT_VHOST, Operation
@@ -68,6 +68,8 @@ from services.queue.metrics import node_gauges
 from services.queue.service import QueueServicer
 from services.request_guard import SERVER_OPTIONS as GUARDED_SERVER_OPTIONS
 from services.request_guard import RequestGuard
+from services.stream.service import StreamServicer
+from services.stream.shell import StreamShell
 from services.tls import PLAINTEXT, ClusterTLS, Dialer, acting_for_problem, member_problem
 
 if TYPE_CHECKING:
@@ -134,6 +136,7 @@ NODE_SERVICES = tuple(
     descriptor.full_name
     for descriptor in (
         queue_pb2.DESCRIPTOR.services_by_name["QueueService"],
+        stream_pb2.DESCRIPTOR.services_by_name["StreamService"],
         group_pb2.DESCRIPTOR.services_by_name["GroupService"],
         admin_pb2.DESCRIPTOR.services_by_name["AdminService"],
         peer_pb2.DESCRIPTOR.services_by_name["PeerService"],
@@ -787,11 +790,15 @@ async def _serve(
         node.id, queues, client_calls, node.address_of, node.peer_channel, node.memory.wait_clear, address, access
     )
     queue_pb2_grpc.add_QueueServiceServicer_to_server(queue_servicer, client_server)
+    stream_shell = StreamShell(node.id, queues, client_calls, node.address_of, node.peer_channel, access)
+    stream_servicer = StreamServicer(stream_shell)
+    stream_pb2_grpc.add_StreamServiceServicer_to_server(stream_servicer, client_server)
     # Administration for clients: answered from the coordinator.
     client_server.add_generic_rpc_handlers((admin_handler(client_calls, access),))
     if cluster_server is not client_server:
         # Relayed queue calls come from other nodes, on the cluster port.
         queue_pb2_grpc.add_QueueServiceServicer_to_server(queue_servicer, cluster_server)
+        stream_pb2_grpc.add_StreamServiceServicer_to_server(stream_servicer, cluster_server)
         await cluster_server.start()
     if access.enforced:
         await access.load()  # before any client is served, so none is refused for want of the table

@@ -24,7 +24,7 @@ import grpc
 
 from ringq.internal.v1 import coordinator_pb2
 from ringq.v1 import cluster_pb2
-from services.coordinator import access_records, metadata, queue_arguments, records
+from services.coordinator import access_records, metadata, queue_arguments, records, stream_records
 from services.coordinator.convert import (
     disk_report_from_heartbeat,
     group_to_proto,
@@ -48,7 +48,15 @@ from services.tls import acting_for_problem
 
 COORDINATOR = "coordinator"
 WATCHABLE = frozenset(
-    {records.GROUP, records.NODE, metadata.QUEUE, metadata.POLICY, metadata.LEASE, *access_records.KINDS}
+    {
+        records.GROUP,
+        records.NODE,
+        metadata.QUEUE,
+        metadata.POLICY,
+        metadata.LEASE,
+        stream_records.STREAM,
+        *access_records.KINDS,
+    }
 )
 _Context = grpc.aio.ServicerContext[Any, Any]
 _P = ParamSpec("_P")
@@ -300,8 +308,10 @@ class MetadataRpcs:
     ) -> coordinator_pb2.CheckLeaseResponse:
         await require(context, name=request.name, holder=request.holder)
         lease = await run_store(context, metadata.get_lease, self._store, request.name)
-        valid = lease.holder == request.holder and lease.token == request.token and lease.held_at(now_ms())
-        return coordinator_pb2.CheckLeaseResponse(valid=valid, lease=lease_to_proto(lease))
+        now = now_ms()
+        valid = lease.holder == request.holder and lease.token == request.token and lease.held_at(now)
+        remaining = max(0, lease.expires_at_ms - now) if lease.held_at(now) else 0
+        return coordinator_pb2.CheckLeaseResponse(valid=valid, lease=lease_to_proto(lease), remaining_ms=remaining)
 
     async def ListLeases(
         self, request: cluster_pb2.ListLeasesRequest, context: _Context

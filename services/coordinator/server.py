@@ -41,6 +41,7 @@ from services.coordinator.placement_passes import PlacementPasses
 from services.coordinator.placement_trigger import PlacementTrigger, RecordChange
 from services.coordinator.sqlite_store import SqliteStore
 from services.coordinator.store import MAX_KEY_LENGTH, Store, StoreUnavailable
+from services.coordinator.stream_service import StreamRecordRpcs, keep_stream_lists
 from services.coordinator.watch import ChangeFeed, Resync
 from services.health import Health
 from services.passwords import hash_password
@@ -129,6 +130,7 @@ def _acting_node(change: GroupChange) -> str:
 class CoordinatorServicer(
     MetadataRpcs,
     AccessRpcs,
+    StreamRecordRpcs,
     coordinator_pb2_grpc.CoordinatorServiceServicer,
     admin_pb2_grpc.AdminServiceServicer,
 ):
@@ -299,6 +301,7 @@ async def create_server(
     advertised = f"{address.rsplit(':', 1)[0]}:{port}"
     _background.add(asyncio.ensure_future(_register_coordinator(store, advertised, liveness_ms, health)))
     _background.add(asyncio.ensure_future(_keep_queues_placed(store, feed, liveness_ms, passes)))
+    _background.add(asyncio.ensure_future(keep_stream_lists(store, feed, liveness_ms)))
     return server, port
 
 

@@ -50,7 +50,7 @@ import grpc
 from opentelemetry import metrics, trace
 from tenacity import AsyncRetrying, retry_if_exception, stop_after_delay, wait_exponential
 
-from ringq import tracing
+from ringq import streams, tracing
 from ringq.errors import RingqError, Unavailable, attempts_text, from_rpc_error
 from ringq.history import History
 from ringq.models import ClusterStatus, Permission, Policy, QueueRecord, QueueStatus, User
@@ -314,6 +314,55 @@ class Connection:
         """A consumer of `queue` (starts when first iterated or `start`ed). Close it (`async with
         connection.consumer(queue) as consumer:`), or the connection does."""
         consumer = Consumer(self, queue, prefetch, priority, consumer_tag)
+        self._closing.append(consumer.close)
+        return consumer
+
+    # ------------------------------------------------------------ streams
+
+    async def declare_stream(self, stream: str, *, groups: int = 3, durable: bool = True) -> streams.StreamStatus:
+        """Declare an ordered stream of `groups` broker groups (or find it, if it exists alike)."""
+        return await streams.declare_stream(self, stream, groups, durable)
+
+    async def delete_stream(self, stream: str) -> None:
+        await streams.delete_stream(self, stream)
+
+    async def stream_status(self, stream: str) -> streams.StreamStatus:
+        return await streams.stream_status(self, stream)
+
+    async def list_streams(self, vhost: str | None = None) -> list[streams.StreamStatus]:
+        return await streams.list_streams(self, vhost)
+
+    async def stream_producer(
+        self,
+        stream: str,
+        *,
+        holder: str | None = None,
+        lease_ttl_ms: int = streams.DEFAULT_LEASE_TTL_MS,
+        window: int = 1000,
+        batch: int = 100,
+        persistent: bool = True,
+    ) -> streams.StreamProducer:
+        """The stream's active producer: returns once this instance holds the producer lease (a standby
+        waits here while another holds it)."""
+        producer = streams.StreamProducer(
+            self, stream, holder or streams.holder_id(self), lease_ttl_ms, window, batch, persistent
+        )
+        await producer.start()
+        self._closing.append(producer.close)
+        return producer
+
+    async def stream_consumer(
+        self,
+        stream: str,
+        *,
+        holder: str | None = None,
+        lease_ttl_ms: int = streams.DEFAULT_LEASE_TTL_MS,
+        prefetch: int = 100,
+    ) -> streams.StreamConsumer:
+        """The stream's active consumer: returns once this instance holds the consumer lease (a standby
+        waits here while another holds it)."""
+        consumer = streams.StreamConsumer(self, stream, holder or streams.holder_id(self), lease_ttl_ms, prefetch)
+        await consumer.start()
         self._closing.append(consumer.close)
         return consumer
 
