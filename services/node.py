@@ -790,7 +790,9 @@ async def _serve(
         node.id, queues, client_calls, node.address_of, node.peer_channel, node.memory.wait_clear, address, access
     )
     queue_pb2_grpc.add_QueueServiceServicer_to_server(queue_servicer, client_server)
-    stream_shell = StreamShell(node.id, queues, client_calls, node.address_of, node.peer_channel, access)
+    stream_shell = StreamShell(
+        node.id, queues, client_calls, node.address_of, node.peer_channel, access, node.forget_address
+    )
     stream_servicer = StreamServicer(stream_shell)
     stream_pb2_grpc.add_StreamServiceServicer_to_server(stream_servicer, client_server)
     # Administration for clients: answered from the coordinator.

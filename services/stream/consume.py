@@ -155,6 +155,8 @@ async def serve(
             except _Ended as ended:
                 if ended.code != grpc.StatusCode.UNAVAILABLE or relayed(context):
                     await abort(context, ended.code, ended.details)
+                if queue is not None and queue.master and queue.master != shell.node_id:
+                    shell.forget_address(queue.master)
                 said = f"group {head}: {ended.details}; resuming"
                 yield stream_pb2.ConsumeStreamResponse(waiting=said)
                 await asyncio.sleep(POLL_S)

@@ -150,6 +150,8 @@ async def _relay(
         code = error.code()
         if code not in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION):
             code = grpc.StatusCode.UNAVAILABLE
+            if queue is not None:
+                shell.forget_address(queue.master)
         await abort(context, code, error.details() or f"group {group}: its master's node failed us; retry")
     finally:
         pumping.cancel()

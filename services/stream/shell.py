@@ -68,6 +68,7 @@ class StreamShell:
         address_of: Callable[[str], Awaitable[str | None]],
         channel_to: Callable[[str, str], grpc.aio.Channel],
         access: AccessGuard,
+        forget_address: Callable[[str], None] = lambda node: None,
     ) -> None:
         self.node_id = node_id
         self.manager = manager
@@ -75,6 +76,9 @@ class StreamShell:
         self.address_of = address_of
         self.channel_to = channel_to
         self.access = access
+        # A node that did not answer at the address known for it: ask the coordinator again next time
+        # (a restarted node may listen elsewhere).
+        self.forget_address = forget_address
         self.fencing = FencingCheck(self._read_lease)
         self.gates = GroupGates()
 

@@ -210,17 +210,21 @@ class _Lease:
             fencing_token=self.token,
             ttl_ms=self.ttl_ms,
         )
+        pause = self.ttl_ms / 3000
         while True:
-            await asyncio.sleep(self.ttl_ms / 3000)
+            await asyncio.sleep(pause)
             try:
-                await stub(self.connection).RenewStreamLease(request, timeout=self.ttl_ms / 3000)
+                await stub(self.connection).RenewStreamLease(request, timeout=self.ttl_ms / 6000)
             except grpc.aio.AioRpcError as error:
                 if error.code() == grpc.StatusCode.FAILED_PRECONDITION:
                     self.lost = from_rpc_error(error, self.connection.address)
                     for callback in self.on_lost:
                         callback(self.lost)
                     return
-                self.connection.failed()  # another node next time; the broker fences us if we are late
+                self.connection.failed()  # at once on another node; the broker fences us if we are late
+                pause = 0.05
+            else:
+                pause = self.ttl_ms / 3000
 
     async def release(self) -> None:
         if self._renewer is not None:
