@@ -235,7 +235,6 @@ class Client {
     this.addresses = list;
     this.vhost = options.vhost ?? '/';
     const Service = loadService(options.protosDir ?? process.env.RINGQ_PROTOS ?? DEFAULT_PROTOS_DIR);
-    /** @type {any[]} */
     const credentials = channelCredentials(options);
     const serverName = options.tls?.serverName;
     const channelOptions = serverName ? { ...CHANNEL_OPTIONS, 'grpc.ssl_target_name_override': serverName } : CHANNEL_OPTIONS;
