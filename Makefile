@@ -9,6 +9,7 @@
 #   make bench    ringq mirrored queues vs RabbitMQ classic mirrored queues (W1-W3), updates docs/benchmarks.md
 #   make bench-tracing  W1 with tracing off against a commit without the tracing hooks
 #   make bench-security W1 and W2 with TLS and authentication beside plaintext
+#   make bench-streams  ordered streams: ringq vs a RabbitMQ quorum queue vs NATS JetStream (R3, file), updates docs/benchmarks.md
 SHELL := /bin/bash
 PYTHON ?= python3
 VENV := .venv
@@ -24,7 +25,7 @@ BUF_VERSION := 1.75.0
 BUF := $(VENV)/buf/node_modules/.bin/buf
 PROTO_RELEASE := protos/releases/v0.2.binpb
 
-.PHONY: all setup wheels setup-node setup-zookeeper setup-rabbitmq protos lint lint-k8s test sim sim-queues demo demo-ring bench bench-gm bench-tracing bench-security bench-reference clean
+.PHONY: all setup wheels setup-node setup-zookeeper setup-rabbitmq protos lint lint-k8s test sim sim-queues demo demo-ring bench bench-gm bench-tracing bench-security bench-streams bench-reference setup-nats clean
 
 all: test
 
@@ -76,6 +77,14 @@ setup-rabbitmq:
 	@if ! dpkg -s rabbitmq-server >/dev/null 2>&1; then \
 	  echo "installing Debian's rabbitmq-server package"; \
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq rabbitmq-server >/dev/null; \
+	fi
+
+# The NATS side of `make bench-streams`: Debian's nats-server (JetStream), a 3-server cluster started by
+# bench/nats_cluster.py on 127.0.0.1 and stopped by it.
+setup-nats:
+	@if ! dpkg -s nats-server >/dev/null 2>&1; then \
+	  echo "installing Debian's nats-server package"; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nats-server >/dev/null; \
 	fi
 
 bench-reference: setup setup-rabbitmq
@@ -132,6 +141,9 @@ bench-tracing: setup
 
 bench-security: setup
 	$(PY) -m bench.security_cost --runs 3 --write docs/benchmarks.md
+
+bench-streams: setup setup-rabbitmq setup-nats
+	$(PY) -m bench.bench_streams --write docs/benchmarks.md
 
 bench-gm: setup
 	$(PY) -m bench.bench_gm --write docs/benchmarks.md
