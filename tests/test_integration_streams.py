@@ -403,3 +403,9 @@ async def _bad_input_gets_clear_statuses(four: cluster.ClusterInfo) -> None:
         await producer.close()
         with pytest.raises(RingqError):
             await conn.stream_producer("nope")
+        group = (await status(conn, "s7")).groups[0].group
+        with pytest.raises(InvalidArgument, match="broker group of an ordered stream"):
+            await conn.get(group)  # a group is read and written through StreamService only
+        with pytest.raises(InvalidArgument, match="broker group of an ordered stream"):
+            async with conn.producer(group) as direct:
+                await direct.publish(b"around the fencing")

@@ -66,6 +66,9 @@ _OUTCOMES = {
     PublishOutcome.DUPLICATE: queue_pb2.PUBLISH_OUTCOME_DUPLICATE,
     PublishOutcome.REJECTED: queue_pb2.PUBLISH_OUTCOME_REJECTED,
 }
+_STREAM_GROUP_REFUSAL = (
+    "queue {!r} is a broker group of an ordered stream: publish to and consume the stream with StreamService"
+)
 _SETTLE = {
     queue_pb2.SETTLE_KIND_ACK: "ack",
     queue_pb2.SETTLE_KIND_REQUEUE: "requeue",
@@ -214,11 +217,15 @@ class QueueServicer(queue_pb2_grpc.QueueServiceServicer):
         return None, queue_pb2_grpc.QueueServiceStub(self.channel_to(record.master, address)), record
 
     async def _route(
-        self, ref: queue_pb2.QueueRef, context: _Context, operation: Operation
+        self, ref: queue_pb2.QueueRef, context: _Context, operation: Operation, *, stream_group_ok: bool = False
     ) -> tuple[QueueReplica | None, Any, QueueRecord]:
         """The local master or a stub to the master's node (relaying the caller's user), once the caller
         may `operation` the queue; the call is aborted otherwise. (Names are checked where a queue is looked
-        up, as before: not again on the hot path of a local master.)"""
+        up, as before: not again on the hot path of a local master.) A group of an ordered stream is read
+        and written through StreamService only (its fencing and lists): refused here unless
+        `stream_group_ok` (status and sync)."""
+        if not stream_group_ok and is_stream_group(ref.queue):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, _STREAM_GROUP_REFUSAL.format(ref.queue))
         principal = await self._allow(context, ref, operation)
         return await self._route_for(principal, ref, context)
 
@@ -336,7 +343,7 @@ class QueueServicer(queue_pb2_grpc.QueueServiceServicer):
     async def QueueStatus(
         self, request: queue_pb2.QueueStatusRequest, context: _Context
     ) -> queue_pb2.QueueStatusResponse:
-        replica, stub, record = await self._route(request.queue, context, Operation.READ)
+        replica, stub, record = await self._route(request.queue, context, Operation.READ, stream_group_ok=True)
         if stub is not None:
             return await self._relay(context, stub.QueueStatus(request), queue_pb2.QueueStatusResponse)
         assert replica is not None
@@ -373,7 +380,7 @@ class QueueServicer(queue_pb2_grpc.QueueServiceServicer):
         raise AssertionError("unreachable")
 
     async def SyncQueue(self, request: queue_pb2.SyncQueueRequest, context: _Context) -> queue_pb2.SyncQueueResponse:
-        replica, stub, record = await self._route(request.queue, context, Operation.CONFIGURE)
+        replica, stub, record = await self._route(request.queue, context, Operation.CONFIGURE, stream_group_ok=True)
         if stub is not None:
             return await self._relay(context, stub.SyncQueue(request), queue_pb2.SyncQueueResponse)
         assert replica is not None
@@ -383,7 +390,7 @@ class QueueServicer(queue_pb2_grpc.QueueServiceServicer):
     async def CancelSyncQueue(
         self, request: queue_pb2.CancelSyncQueueRequest, context: _Context
     ) -> queue_pb2.CancelSyncQueueResponse:
-        replica, stub, record = await self._route(request.queue, context, Operation.CONFIGURE)
+        replica, stub, record = await self._route(request.queue, context, Operation.CONFIGURE, stream_group_ok=True)
         if stub is not None:
             return await self._relay(context, stub.CancelSyncQueue(request), queue_pb2.CancelSyncQueueResponse)
         assert replica is not None
@@ -702,6 +709,8 @@ def _outgoing(publisher: str, messages: Iterable[queue_pb2.OutgoingMessage]) -> 
 def _publish_problem(request: queue_pb2.PublishRequest) -> str | None:
     if not request.messages:
         return "messages must not be empty"
+    if is_stream_group(request.queue.queue):
+        return _STREAM_GROUP_REFUSAL.format(request.queue.queue)
     return _messages_problem(request.queue, request.publisher, request.messages)
 
 
