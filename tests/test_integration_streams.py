@@ -31,6 +31,9 @@ from pathlib import Path
 
 import grpc
 import pytest
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from ringq import aio
 from ringq.errors import InvalidArgument, NotFound, RingqError
@@ -409,3 +412,30 @@ async def _bad_input_gets_clear_statuses(four: cluster.ClusterInfo) -> None:
         with pytest.raises(InvalidArgument, match="broker group of an ordered stream"):
             async with conn.producer(group) as direct:
                 await direct.publish(b"around the fencing")
+
+
+# ---------------------------------------------------------------------- tracing
+
+
+def test_stream_spans_carry_the_stream_group_and_sequence(four: cluster.ClusterInfo) -> None:
+    asyncio.run(_stream_spans_carry_the_stream_group_and_sequence(four))
+
+
+async def _stream_spans_carry_the_stream_group_and_sequence(four: cluster.ClusterInfo) -> None:
+    spans = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(spans))
+    async with connection(four, tracer_provider=provider) as conn:
+        await conn.declare_stream("s8", groups=GROUPS)
+        async with await conn.stream_producer("s8") as producer:
+            seqs = [await producer.publish(f"m{i}".encode()) for i in range(3)]
+        got, _ = await consume_all(conn, "s8", set(seqs))
+    published = [s for s in spans.get_finished_spans() if s.name == "publish s8"]
+    received = [s for s in spans.get_finished_spans() if s.name == "receive s8"]
+    assert [s.attributes["ringq.stream.seq"] for s in published] == seqs  # type: ignore[index]
+    assert {s.attributes["ringq.stream.group"] for s in published} == {producer.groups_used[0]}  # type: ignore[index]
+    assert [s.attributes["ringq.stream.seq"] for s in received] == got  # type: ignore[index]
+    assert all(s.attributes["ringq.stream"] == "s8" for s in [*published, *received])  # type: ignore[index]
+    by_seq = {s.attributes["ringq.stream.seq"]: s for s in published}  # type: ignore[index]
+    for span in received:  # one trace from publish to delivery
+        assert span.context.trace_id == by_seq[span.attributes["ringq.stream.seq"]].context.trace_id  # type: ignore[index]

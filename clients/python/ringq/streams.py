@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 import uuid
 from collections import deque
 from collections.abc import AsyncIterator, Mapping, Sequence
@@ -34,7 +35,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import grpc
+from opentelemetry import trace
 
+from ringq import tracing
 from ringq.errors import RingqError, from_rpc_error
 from ringq.security import authenticated
 from ringq.v1 import stream_pb2, stream_pb2_grpc
@@ -246,6 +249,8 @@ class _Unconfirmed:
     headers: dict[str, str]
     persistent: bool
     future: asyncio.Future[int]
+    span: trace.Span | None = None
+    started: float = 0.0
 
 
 class StreamProducer:
@@ -303,7 +308,13 @@ class StreamProducer:
         seq = self._next
         future: asyncio.Future[int] = asyncio.get_running_loop().create_future()
         keep = self.persistent if persistent is None else persistent
-        self._unconfirmed[seq] = _Unconfirmed(body, dict(headers or {}), keep, future)
+        pending = self._unconfirmed[seq] = _Unconfirmed(body, dict(headers or {}), keep, future)
+        telemetry = self.connection.telemetry
+        if telemetry.tracing:
+            pending.span = telemetry.stream_publish_span(self.stream, seq, len(body), self.connection.address)
+            tracing.inject(pending.headers, pending.span)
+        if telemetry.metering:
+            pending.started = time.monotonic()
         self._unsent.append(seq)
         self._idle.clear()
         self._wake.set()
@@ -404,12 +415,17 @@ class StreamProducer:
         for seq in sorted(s for s in self._unconfirmed if s <= through):
             pending = self._unconfirmed.pop(seq)
             self._room.release()
+            if pending.span is not None or pending.started:
+                self.connection.telemetry.stream_published(self.stream, pending.span, pending.started, group, None)
             if not pending.future.done():
                 pending.future.set_result(seq)
 
     def _fail_all(self, error: RingqError) -> None:
         for pending in self._unconfirmed.values():
             self._room.release()
+            if pending.span is not None or pending.started:
+                telemetry = self.connection.telemetry
+                telemetry.stream_published(self.stream, pending.span, pending.started, "", error.code.name)
             if not pending.future.done():
                 pending.future.set_exception(error)
         self._unconfirmed.clear()
@@ -536,6 +552,10 @@ class StreamConsumer:
         message = StreamMessage(
             d.stream_seq, d.body, dict(d.headers), d.group, d.redelivered, d.delivery_tag, self, this_call
         )
+        copy = d.stream_seq <= self.last_seq and d.stream_seq not in self._unacked
+        telemetry = self.connection.telemetry
+        if telemetry.tracing or telemetry.metering:
+            telemetry.stream_received(self.stream, d.headers, d.group, d.stream_seq, d.redelivered, copy, len(d.body))
         if d.stream_seq <= self.last_seq:
             if d.stream_seq in self._unacked:  # the application has it, unacknowledged: it comes again
                 self.redeliveries += 1

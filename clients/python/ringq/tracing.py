@@ -62,6 +62,11 @@ SEQ = "ringq.seq"
 OUTCOME = "ringq.outcome"
 REDELIVERED = "ringq.redelivered"
 DELIVERY_COUNT = "ringq.delivery_count"
+# Ordered streams: the stream, the broker group that took (or delivered) the message, its stream_seq.
+STREAM = "ringq.stream"
+STREAM_GROUP = "ringq.stream.group"
+STREAM_SEQ = "ringq.stream.seq"
+DUPLICATE = "ringq.stream.duplicate"  # a copy the SDK dropped instead of delivering
 
 _propagator = TraceContextTextMapPropagator()
 # Whether the process's global providers are installed (once they are, for good: a global provider cannot be
@@ -204,6 +209,45 @@ class ClientTelemetry:
         if host and port.isdigit():
             attributes |= {SERVER_ADDRESS: host.strip("[]"), SERVER_PORT: int(port)}
         return self.tracer.start_span(f"publish {queue}", kind=trace.SpanKind.PRODUCER, attributes=attributes)
+
+    def stream_publish_span(self, stream: str, seq: int, body_size: int, server: str) -> trace.Span:
+        """The span of one message's publish to an ordered stream, until `stream_published`."""
+        span = self.publish_span(stream, "", seq, body_size, server)
+        span.set_attributes({STREAM: stream, STREAM_SEQ: seq})
+        return span
+
+    def stream_published(
+        self, stream: str, span: trace.Span | None, started: float, group: str, error: str | None
+    ) -> None:
+        """A stream message's publish ended: confirmed by `group`, or failed (`error`)."""
+        if span is not None and group:
+            span.set_attribute(STREAM_GROUP, group)
+        self.published(stream, span, started, "confirmed" if error is None else None, error)
+
+    def stream_received(
+        self,
+        stream: str,
+        headers: Mapping[str, str],
+        group: str,
+        seq: int,
+        redelivered: bool,
+        duplicate: bool,
+        body_size: int,
+    ) -> None:
+        """A stream delivery reached the SDK: delivered to the application, or dropped as a `duplicate`."""
+        if self.tracing:
+            attributes = self._base(stream, "receive", "receive") | {
+                STREAM: stream,
+                STREAM_GROUP: group,
+                STREAM_SEQ: seq,
+                REDELIVERED: redelivered,
+                DUPLICATE: duplicate,
+                BODY_SIZE: body_size,
+            }
+            event_span(f"receive {stream}", headers, attributes, kind=trace.SpanKind.CONSUMER, using=self.tracer)
+        if self.metering and not duplicate:
+            attributes = {SYSTEM: MESSAGING_SYSTEM, DESTINATION: stream, OPERATION_NAME: "receive"}
+            self.instruments().consumed.add(1, attributes)
 
     def published(
         self, queue: str, span: trace.Span | None, started: float, outcome: str | None, error: str | None
