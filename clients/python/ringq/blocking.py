@@ -6,7 +6,10 @@ blocking connection of the process. Guarantees: those of ringq/aio.py, with
 the same typed arguments and the same results (ringq.models dataclasses) and
 errors (ringq.errors); `Producer.send` blocks while the window is full
 (back-pressure) and returns a `concurrent.futures.Future`; callbacks run on
-the background thread.
+the background thread. Ordered streams (ringq/streams.py) likewise:
+`stream_producer` / `stream_consumer` block until this process holds the
+stream's producer / consumer lease (a standby waits there), and a
+`StreamMessage` it delivers may be acknowledged from any thread.
 
     from ringq import Connection
 
@@ -17,22 +20,31 @@ the background thread.
         for delivery in connection.consumer("orders", prefetch=100):
             print(delivery.body)
             delivery.ack()
+
+        connection.declare_stream("events", groups=3)
+        with connection.stream_producer("events") as producer:
+            seq = producer.publish(b"event 1")               # its stream_seq, once both replicas hold it
+        with connection.stream_consumer("events") as consumer:
+            for message in consumer:                         # in stream order
+                message.ack()
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import threading
 from collections.abc import Callable, Coroutine, Iterator, Mapping, Sequence
 from typing import Any, TypeVar
 
 from opentelemetry import metrics, trace
 
-from ringq import aio
+from ringq import aio, streams
 from ringq.aio import Delivery, Outcome
 from ringq.models import ClusterStatus, Permission, Policy, QueueRecord, QueueStatus, User
 from ringq.security import TLS, Credentials
+from ringq.streams import StreamMessage, StreamStatus
 
 T = TypeVar("T")
 _loop_lock = threading.Lock()
@@ -158,6 +170,63 @@ class Connection:
 
         return Consumer(_run(_made(made)))
 
+    # ------------------------------------------------------------ streams
+
+    def declare_stream(self, stream: str, *, groups: int = 3, durable: bool = True) -> StreamStatus:
+        """Declare an ordered stream of `groups` broker groups (or find it, if it exists alike)."""
+        return _run(self.aio.declare_stream(stream, groups=groups, durable=durable))
+
+    def delete_stream(self, stream: str) -> None:
+        """Delete `stream`, its groups and their messages."""
+        _run(self.aio.delete_stream(stream))
+
+    def stream_status(self, stream: str) -> StreamStatus:
+        """The stream's send and consume lists, groups, lease holders, and why consumption waits if it does."""
+        return _run(self.aio.stream_status(stream))
+
+    def list_streams(self, vhost: str | None = None) -> list[StreamStatus]:
+        """Every stream of `vhost` (the connection's if None; every vhost if "")."""
+        return _run(self.aio.list_streams(vhost))
+
+    def stream_producer(
+        self,
+        stream: str,
+        *,
+        holder: str | None = None,
+        lease_ttl_ms: int = streams.DEFAULT_LEASE_TTL_MS,
+        window: int = 1000,
+        batch: int = 100,
+        persistent: bool = True,
+    ) -> StreamProducer:
+        """The stream's active producer (see ringq.aio.Connection.stream_producer): returns once this
+        instance holds the producer lease, blocking while another holds it; `with ... as producer:`."""
+        return StreamProducer(
+            _run(
+                self.aio.stream_producer(
+                    stream,
+                    holder=holder,
+                    lease_ttl_ms=lease_ttl_ms,
+                    window=window,
+                    batch=batch,
+                    persistent=persistent,
+                )
+            )
+        )
+
+    def stream_consumer(
+        self,
+        stream: str,
+        *,
+        holder: str | None = None,
+        lease_ttl_ms: int = streams.DEFAULT_LEASE_TTL_MS,
+        prefetch: int = 100,
+    ) -> StreamConsumer:
+        """The stream's active consumer (see ringq.aio.Connection.stream_consumer): returns once this
+        instance holds the consumer lease, blocking while another holds it; `with ... as consumer:`."""
+        return StreamConsumer(
+            _run(self.aio.stream_consumer(stream, holder=holder, lease_ttl_ms=lease_ttl_ms, prefetch=prefetch))
+        )
+
     def close(self) -> None:
         _run(self.aio.close())
 
@@ -215,7 +284,10 @@ class Producer:
         self.close()
 
 
-def _copy(done: asyncio.Future[Outcome], result: concurrent.futures.Future[Outcome]) -> None:
+def _copy(done: asyncio.Future[T], result: concurrent.futures.Future[T]) -> None:
+    if done.cancelled():
+        result.cancel()
+        return
     error = done.exception()
     if error is not None:
         result.set_exception(error)
@@ -260,6 +332,159 @@ class Consumer:
 
     def __exit__(self, *_: object) -> None:
         self.close()
+
+
+class StreamProducer:
+    """Blocking producer of an ordered stream: `publish` waits for the confirm and returns the message's
+    stream_seq, `send` waits only for room in the window."""
+
+    def __init__(self, producer: streams.StreamProducer) -> None:
+        self.aio = producer
+
+    @property
+    def fencing_token(self) -> int:
+        """The token of this producer's lease (the high 32 bits of its stream_seqs)."""
+        return self.aio.fencing_token
+
+    @property
+    def resends(self) -> int:
+        """Publish streams reopened after a failure (each resent what was unconfirmed)."""
+        return self.aio.resends
+
+    @property
+    def groups_used(self) -> list[str]:
+        """The send groups in the order they confirmed messages."""
+        return list(self.aio.groups_used)
+
+    def send(
+        self,
+        body: bytes,
+        *,
+        headers: Mapping[str, str] | None = None,
+        persistent: bool | None = None,
+        callback: Callable[[concurrent.futures.Future[int]], None] | None = None,
+    ) -> concurrent.futures.Future[int]:
+        """Queue `body` (blocks while the window is full); the future completes with its stream_seq once
+        both replicas hold it, or with the error (a lost lease, retries exhausted)."""
+        result: concurrent.futures.Future[int] = concurrent.futures.Future()
+        if callback is not None:
+            result.add_done_callback(callback)
+
+        async def send() -> None:
+            future = await self.aio.send(body, headers=headers, persistent=persistent)
+            future.add_done_callback(lambda done: _copy(done, result))
+
+        _run(send())
+        return result
+
+    def publish(self, body: bytes, *, headers: Mapping[str, str] | None = None, persistent: bool | None = None) -> int:
+        """Publish one message and wait for its confirm; its stream_seq."""
+        return self.send(body, headers=headers, persistent=persistent).result()
+
+    def publish_many(self, bodies: Sequence[bytes]) -> list[int]:
+        """Publish messages in order and wait for every confirm; their stream_seqs."""
+        return _run(self.aio.publish_many(bodies))
+
+    def flush(self) -> None:
+        """Wait until every message sent so far is confirmed (or failed)."""
+        _run(self.aio.flush())
+
+    def close(self) -> None:
+        """Flush, end the publish stream and give the lease up (a standby takes over at once); idempotent."""
+        _run(self.aio.close())
+
+    def __enter__(self) -> StreamProducer:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.close()
+
+
+class _ThreadSafeStreamMessage(StreamMessage):
+    """A StreamMessage whose `ack()` may be called from any thread: the ack is queued on the SDK's loop."""
+
+    def ack(self) -> None:
+        if self._consumer is not None:
+            _background_loop().call_soon_threadsafe(self._consumer.ack, self)
+
+
+class StreamConsumer:
+    """Blocking consumer of an ordered stream: iterate it, or `next(timeout)`; acknowledge each message with
+    `message.ack()` (from any thread). Iteration ends once the consumer is closed, also from another
+    thread; a lost lease raises."""
+
+    def __init__(self, consumer: streams.StreamConsumer) -> None:
+        self.aio = consumer
+        self._lock = threading.Lock()
+        self._waiting: set[concurrent.futures.Future[StreamMessage | None]] = set()
+        self._closed = False
+
+    @property
+    def fencing_token(self) -> int:
+        return self.aio.fencing_token
+
+    @property
+    def duplicates_dropped(self) -> int:
+        """Copies of messages already delivered (a resend after a lost confirm), dropped by the SDK."""
+        return self.aio.duplicates_dropped
+
+    @property
+    def redeliveries(self) -> int:
+        return self.aio.redeliveries
+
+    @property
+    def waiting(self) -> str:
+        """Why nothing is delivered now, as the broker said last ("" while deliveries flow)."""
+        return self.aio.waiting
+
+    def __iter__(self) -> Iterator[StreamMessage]:
+        while True:
+            message = self._take(None)
+            if message is None:
+                return
+            yield message
+
+    def next(self, timeout: float | None = None) -> StreamMessage | None:
+        """The next message in stream order, or None after `timeout` seconds or once closed."""
+        return self._take(timeout)
+
+    def ack(self, message: StreamMessage) -> None:
+        """Acknowledge `message` (the same as `message.ack()`)."""
+        _background_loop().call_soon_threadsafe(self.aio.ack, message)
+
+    def close(self) -> None:
+        """Send the acks made so far, stop, and give the lease up (a standby takes over at once; what was
+        not acknowledged comes to it, flagged redelivered); idempotent."""
+        with self._lock:
+            self._closed = True
+            waiting = list(self._waiting)
+        for future in waiting:  # a thread blocked in iteration or next() returns
+            future.cancel()
+        _run(self.aio.close())
+
+    def __enter__(self) -> StreamConsumer:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.close()
+
+    def _take(self, timeout: float | None) -> StreamMessage | None:
+        with self._lock:
+            if self._closed:
+                return None
+            future = asyncio.run_coroutine_threadsafe(self.aio.next(timeout), _background_loop())
+            self._waiting.add(future)
+        try:
+            message = future.result()
+        except (concurrent.futures.CancelledError, StopAsyncIteration):
+            return None
+        finally:
+            with self._lock:
+                self._waiting.discard(future)
+        if message is None:
+            return None
+        fields = {f.name: getattr(message, f.name) for f in dataclasses.fields(message)}
+        return _ThreadSafeStreamMessage(**fields)
 
 
 class Admin:
