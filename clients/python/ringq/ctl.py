@@ -9,7 +9,10 @@ clear_policy, list_policies, list_leases. Queue commands, sent to a node's
 QueueService (which forwards them to the queue's master): declare_queue,
 delete_queue, purge_queue, sync_queue, cancel_sync_queue. list_queues and
 list_consumers take the queues from AdminService and their depth, consumers
-and status from QueueService. ringqctl never calls the coordinator, whose
+and status from QueueService. Stream commands, sent to a node's StreamService:
+declare_stream, delete_stream, list_streams, stream_status (the send and
+consume lists, each group's replicas, depth and state, the lease holders, and
+why consumption waits if it does). ringqctl never calls the coordinator, whose
 port serves only cluster members.
 
 Human tables by default, `--json` for scripts (protobuf's JSON mapping, so
@@ -38,9 +41,11 @@ import grpc
 from ringq import ctl_access
 from ringq._version import __version__
 from ringq.ctl_output import as_json as _as_json
+from ringq.ctl_output import stream_text as _stream_text
+from ringq.ctl_output import streams_table as _streams_table
 from ringq.ctl_output import table as _table
 from ringq.security import TLS, Credentials, authenticated, channel
-from ringq.v1 import admin_pb2_grpc, cluster_pb2, queue_pb2, queue_pb2_grpc
+from ringq.v1 import admin_pb2_grpc, cluster_pb2, queue_pb2, queue_pb2_grpc, stream_pb2, stream_pb2_grpc
 
 DEFAULT_NODE = "127.0.0.1:7100"
 NODE_ENV = "RINGQ_NODE"
@@ -97,7 +102,8 @@ class Admin:
 
 
 class Nodes:
-    """QueueService calls on broker nodes, each node tried in turn while the call fails with UNAVAILABLE.
+    """QueueService (and StreamService: `stream_call`) calls on broker nodes, each node tried in turn while
+    the call fails with UNAVAILABLE.
 
     `resolve` gives the addresses when first needed. A call that may be repeated safely (`idempotent`)
     also moves on after DEADLINE_EXCEEDED, which is how an address that never answers shows up.
@@ -123,10 +129,28 @@ class Nodes:
             self._addresses = self._resolve()
         return self._addresses
 
-    def _stub(self, address: str) -> Any:  # a QueueServiceStub sending the credentials
+    def _channel(self, address: str) -> grpc.Channel:
         if address not in self._channels:
             self._channels[address] = channel(address, self.tls)
-        return authenticated(queue_pb2_grpc.QueueServiceStub(self._channels[address]), self.credentials)
+        return self._channels[address]
+
+    def _stub(self, address: str) -> Any:  # a QueueServiceStub sending the credentials
+        return authenticated(queue_pb2_grpc.QueueServiceStub(self._channel(address)), self.credentials)
+
+    def _stream_stub(self, address: str) -> Any:  # a StreamServiceStub sending the credentials
+        return authenticated(stream_pb2_grpc.StreamServiceStub(self._channel(address)), self.credentials)
+
+    def stream_call(
+        self,
+        method: Callable[[stream_pb2_grpc.StreamServiceStub], grpc.UnaryUnaryMultiCallable[Req, Resp]],
+        request: Req,
+        idempotent: bool = False,
+    ) -> Resp:
+        """A StreamService call, as `call` (every node serves every stream)."""
+        (outcome,) = self._each(self._stream_stub, method, [request], idempotent)
+        if isinstance(outcome, grpc.RpcError):
+            raise outcome
+        return outcome
 
     def call(
         self,
@@ -146,6 +170,15 @@ class Nodes:
         idempotent: bool = False,
     ) -> list[Resp | grpc.RpcError]:
         """One call per request, all in flight at once; each outcome is the response or the last error."""
+        return self._each(self._stub, method, requests, idempotent)
+
+    def _each(
+        self,
+        stub: Callable[[str], Any],
+        method: Callable[[Any], grpc.UnaryUnaryMultiCallable[Req, Resp]],
+        requests: Sequence[Req],
+        idempotent: bool,
+    ) -> list[Resp | grpc.RpcError]:
         retry_on = {grpc.StatusCode.UNAVAILABLE}
         if idempotent:
             retry_on.add(grpc.StatusCode.DEADLINE_EXCEEDED)
@@ -154,7 +187,7 @@ class Nodes:
         for address in self.addresses:
             if not pending:
                 break
-            callable_ = method(self._stub(address))
+            callable_ = method(stub(address))
             futures = [(i, callable_.future(requests[i], timeout=self.timeout)) for i in pending]
             pending = []
             for i, future in futures:
@@ -492,6 +525,53 @@ def cancel_sync_queue(c: Admin, args: argparse.Namespace) -> tuple[Any, str]:
     return _as_json(info), f"sync of queue {args.name!r} in vhost {args.vhost!r} cancelled\n{_info_text(info)}"
 
 
+# ------------------------------------------------------------------------------------------ stream commands
+
+
+def _stream_ref(args: argparse.Namespace) -> stream_pb2.StreamRef:
+    return stream_pb2.StreamRef(vhost=args.vhost, stream=args.name)
+
+
+def declare_stream(c: Admin, args: argparse.Namespace) -> tuple[Any, str]:
+    request = stream_pb2.DeclareStreamRequest(stream=_stream_ref(args), groups=args.groups, durable=not args.transient)
+    with _nodes(c, args) as nodes:
+        info = nodes.stream_call(lambda s: s.DeclareStream, request, idempotent=True).stream
+    return _as_json(info), f"stream {args.name!r} declared in vhost {args.vhost!r}\n{_stream_text(info)}"
+
+
+def delete_stream(c: Admin, args: argparse.Namespace) -> tuple[Any, str]:
+    request = stream_pb2.DeleteStreamRequest(stream=_stream_ref(args))
+    with _nodes(c, args) as nodes:
+        response = nodes.stream_call(lambda s: s.DeleteStream, request)
+    text = f"stream {args.name!r} deleted from vhost {args.vhost!r}, with its groups and their messages"
+    return _as_json(response), text
+
+
+def stream_status(c: Admin, args: argparse.Namespace) -> tuple[Any, str]:
+    request = stream_pb2.StreamStatusRequest(stream=_stream_ref(args))
+    with _nodes(c, args) as nodes:
+        info = nodes.stream_call(lambda s: s.StreamStatus, request, idempotent=True).stream
+    return _as_json(info), _stream_text(info)
+
+
+def list_streams(c: Admin, args: argparse.Namespace) -> tuple[Any, str]:
+    request = stream_pb2.ListStreamsRequest(vhost=args.vhost or "")
+    with _nodes(c, args) as nodes:
+        response = nodes.stream_call(lambda s: s.ListStreams, request, idempotent=True)
+    return _as_json(response), _streams_table(response.streams)
+
+
+def _groups(text: str) -> int:
+    """--groups: 2 to 64 (the broker's bounds, checked here so a typo is a usage error)."""
+    try:
+        groups = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 2 <= groups <= 64:
+        raise argparse.ArgumentTypeError(f"{groups}: a stream has 2 to 64 groups")
+    return groups
+
+
 # ------------------------------------------------------------------------------------------ command line
 
 
@@ -625,6 +705,30 @@ def parser() -> argparse.ArgumentParser:
     queue_command("purge_queue", purge_queue, "remove every ready message of a queue")
     queue_command("sync_queue", sync_queue, "start syncing a queue's unsynchronised mirrors")
     queue_command("cancel_sync_queue", cancel_sync_queue, "stop syncing a queue's mirrors")
+
+    def stream_command(name: str, run: Callable[[Admin, argparse.Namespace], tuple[Any, str]], text: str) -> Any:
+        sub = command(name, run, text)
+        sub.add_argument("-p", "--vhost", default="/", help="vhost (default /)")
+        sub.add_argument("name", help="stream name")
+        return sub
+
+    sub = stream_command(
+        "declare_stream", declare_stream, "declare an ordered stream (its groups on distinct nodes), or check it exists"
+    )
+    sub.add_argument(
+        "--groups", type=_groups, default=3, metavar="N", help="broker groups of two replicas each (2 to 64; default 3)"
+    )
+    sub.add_argument("--transient", action="store_true", help="not durable: its groups do not survive restarts")
+    stream_command("delete_stream", delete_stream, "delete a stream, its groups and their messages")
+    stream_command(
+        "stream_status",
+        stream_status,
+        "a stream's send and consume lists, groups (replicas, depth, state), lease holders, why consumption waits",
+    )
+    sub = command(
+        "list_streams", list_streams, "list streams: lists, depth, producer and consumer, why consumption waits"
+    )
+    sub.add_argument("-p", "--vhost", default="", help="only this vhost")
     for verb in verbs:  # last: a verb's own options keep their names
         _global_options(verb, after_the_command=True)
     return out
