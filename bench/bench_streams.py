@@ -588,6 +588,7 @@ class Run:
     began: str
     seconds: float
     load: tuple[float, float, float]
+    load_after: tuple[float, float, float]
     settings: Settings
     systems: list[str]
     results: dict[str, SystemResults]
@@ -627,7 +628,8 @@ def section(run: Run) -> str:
         f"Command: `{run.command}`  ",
         f"Machine: {machine()}  ",
         f"Measured: {run.began} ({run.seconds:.0f} s in all; load average before the run "
-        f"{run.load[0]:.2f} {run.load[1]:.2f} {run.load[2]:.2f})",
+        f"{_load(run.load)}, after it {_load(run.load_after)}; anything else running on the machine shares its "
+        f"{os.cpu_count()} cores with the brokers and clients)",
         "",
         method_text(run),
         "",
@@ -662,7 +664,7 @@ def report_text(run: Run) -> str:
     return "\n".join(
         [
             "",
-            f"{machine()}; load average before the run {run.load[0]:.2f} {run.load[1]:.2f} {run.load[2]:.2f}; "
+            f"{machine()}; load average before the run {_load(run.load)}, after it {_load(run.load_after)}; "
             f"{run.seconds:.0f} s in all",
             *(f"{LABELS[k]}: {run.results[k].description}" for k in run.systems),
             *(f"{LABELS[k]}: not run: {why}" for k, why in run.skipped.items()),
@@ -672,6 +674,10 @@ def report_text(run: Run) -> str:
             *notes_lines(run),
         ]
     )
+
+
+def _load(load: tuple[float, float, float]) -> str:
+    return " ".join(f"{x:.2f}" for x in load)
 
 
 def _command(argv: list[str] | None) -> str:
@@ -740,6 +746,7 @@ def main(argv: list[str] | None = None) -> int:
         began=began,
         seconds=time.monotonic() - started,
         load=load,
+        load_after=os.getloadavg(),
         settings=settings,
         systems=systems,
         results=results,
