@@ -15,6 +15,13 @@ Guarantees (the definitions, applied exactly):
   seq is lower than a seq of the same publisher already delivered to that client. One row per such
   delivery. Flagged redeliveries and repeats of a message the client already had are never order
   violations.
+- `order` on an ordered stream (history events `stream_deliver`: stream, stream_seq, redelivered,
+  client): in delivery order over every client of the stream (time, then file, then line order), a
+  delivery whose stream_seq is not above the highest stream_seq delivered before it for that stream,
+  except a delivery flagged redelivered of a stream_seq delivered before (the documented repeat of what a
+  consumer had not acknowledged, after a consumer failover or a broken consume call). So an unflagged
+  repeat, and any delivery that goes back below the stream's high mark to a stream_seq never delivered
+  (a skip then a step back), is one. Its row: publisher `stream:<stream>`, seq the stream_seq.
 """
 
 from __future__ import annotations
@@ -80,6 +87,46 @@ def order_violations(history: DataFrame) -> DataFrame:
     )
 
 
+STREAM_DELIVER = "stream_deliver"
+STREAM_PREFIX = "stream:"
+
+
+def stream_order_violations(history: DataFrame) -> DataFrame:
+    """The stream-order violations (see the module docstring) among the `stream_deliver` rows of `history`
+    (columns event, client, stream, stream_seq, redelivered and EVENT_ORDER's)."""
+    deliveries = history.where(
+        (F.col("event") == STREAM_DELIVER) & F.col("stream").isNotNull() & F.col("stream_seq").isNotNull()
+    )
+    before = Window.partitionBy("stream").orderBy(*EVENT_ORDER).rowsBetween(Window.unboundedPreceding, -1)
+    per_seq = Window.partitionBy("stream", "stream_seq").orderBy(*EVENT_ORDER)
+    ranked = deliveries.withColumn("_highest_before", F.max("stream_seq").over(before)).withColumn(
+        "_n", F.row_number().over(per_seq)
+    )
+    flagged_repeat = (F.col("_n") > 1) & F.coalesce(F.col("redelivered"), F.lit(False))
+    return ranked.where((F.col("_highest_before") >= F.col("stream_seq")) & ~flagged_repeat).select(
+        F.lit("order").alias("kind"),
+        F.concat(F.lit(STREAM_PREFIX), F.col("stream")).alias("publisher"),
+        F.col("stream_seq").alias("seq"),
+        "client",
+        F.format_string(
+            "%s got stream_seq %d after stream_seq %d (stream %s, %s, at %.6f)",
+            F.coalesce(F.col("client"), F.lit("?")),
+            F.col("stream_seq"),
+            F.col("_highest_before"),
+            F.col("stream"),
+            F.when(F.col("_n") > 1, F.lit("a repeat not flagged redelivered")).otherwise(
+                F.lit("never delivered before")
+            ),
+            F.col("ts"),
+        ).alias("detail"),
+    )
+
+
 def violations(messages: DataFrame, history: DataFrame) -> DataFrame:
-    """Every violation: lost, then duplicates, then order violations."""
-    return lost(messages).unionByName(duplicates(messages)).unionByName(order_violations(history))
+    """Every violation: lost, then duplicates, then order violations (queues, then streams)."""
+    return (
+        lost(messages)
+        .unionByName(duplicates(messages))
+        .unionByName(order_violations(history))
+        .unionByName(stream_order_violations(history))
+    )

@@ -62,6 +62,10 @@ HISTORY_SCHEMA = StructType(
         StructField("trace_id", StringType()),
         StructField("what", StringType()),
         StructField("node", StringType()),
+        # Ordered streams (event "stream_deliver", recorded by the ringq-stream Spark source).
+        StructField("stream", StringType()),
+        StructField("stream_seq", LongType()),
+        StructField("group", StringType()),
     ]
 )
 

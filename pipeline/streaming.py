@@ -1,5 +1,5 @@
-"""A Spark Structured Streaming source and sink for ringq queues (format "ringq"), on PySpark 4's Python
-Data Source API.
+"""A Spark Structured Streaming source and sink for ringq queues (format "ringq") and a source for ringq
+ordered streams (format "ringq-stream"), on PySpark 4's Python Data Source API.
 
 Responsible for: `RingqDataSource` (register it with `register(spark)`), its options (parsed and checked
 with clear errors), the sink (`RingqStreamWriter`: every row becomes one message, published with confirms)
@@ -76,18 +76,48 @@ Guarantees of the source (at least once; in queue order):
   they are taken (or when none arrives within pollTimeoutMs).
 - Not exactly once: a message can reach the sink twice (after a crash, a failed batch, a stop, or a
   failover of the queue's master). Deduplicate on (publisher, seq) downstream if it matters.
+
+The ordered-stream source (format "ringq-stream", `RingqOrderedStreamReader`):
+
+    rows = (spark.readStream.format("ringq-stream")
+              .option("addresses", "127.0.0.1:7101").option("stream", "orders").load())
+    # stream_seq long, group string, body binary, headers map<string,string>, redelivered boolean
+
+Options: those of the queue source with `stream` (required; the stream must exist) in place of `queue`,
+and `leaseTtlMs` (3000, at least 300: the consumer lease's time to live). Guarantees (at least once; in
+stream order; a committed batch never again):
+- The source process is the stream's single active consumer: it takes the consumer lease (waiting as a
+  standby while another holds it, e.g. the previous run's process until its lease expires) at the first
+  offset or partition Spark asks for, renews it on an event-loop thread of its own between Spark's calls,
+  and gives it up at `stop()` or when a Trigger.AvailableNow run finds nothing more (Spark ends that
+  process without waiting for `stop`). A lost lease fails the query; the messages it held come again.
+- Rows are in stream order, each stream_seq once: the SDK drops copies, and the source keeps one
+  delivery per stream_seq (a message that comes again on a new consume call replaces the one held, for
+  its acknowledgement, and adds no row). Offsets are the last stream_seq of each batch,
+  {"stream_seq": N}; a batch holds at most maxMessagesPerBatch messages, in one partition.
+- A message is acknowledged only after the batch holding it completed (as for queues: in `commit` or the
+  next `latestOffset`). After a restart Spark replays the last uncommitted batch: the new consumer
+  resumes after the last acknowledgement, the batch's messages come again flagged redelivered, and any
+  message at or below the start of the batch (a committed batch whose acknowledgements had not reached
+  the stream) is acknowledged and dropped, not read again.
+- Trigger.AvailableNow takes at most the unacknowledged messages of the stream's groups when the run
+  starts (copies count there, so a run may end on pollTimeoutMs instead) and ends when none is left.
+- With historyDir set, each message the source takes is recorded in its history as a `stream_deliver`
+  event (stream, stream_seq, group, redelivered), flushed after each take, for the lifecycle job's
+  stream-order check (pipeline.guarantees.stream_order_violations).
 """
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import logging
 import os
 import threading
-from collections import Counter, deque
-from collections.abc import Iterator, Mapping
+from collections import Counter, OrderedDict, deque
+from collections.abc import Callable, Coroutine, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from pyspark import TaskContext
 from pyspark.sql import Row, SparkSession
@@ -111,7 +141,10 @@ from pyspark.sql.types import (
 )
 
 import ringq
+from ringq import aio
+from ringq.streams import StreamConsumer, StreamMessage
 
+T = TypeVar("T")
 FORMAT = "ringq"
 OFFSET_KEY = "messages"
 # Local properties Spark sets on every task of a micro-batch (StreamExecution.QUERY_ID_KEY and
@@ -229,17 +262,23 @@ class QueueOptions:
 
     def connect(self, name: str) -> ringq.Connection:
         """A connection named `name`, recording its history in `history-<name>.jsonl` of historyDir if set."""
+        return ringq.Connection(list(self.addresses), **self._connection_arguments(name))
+
+    def connect_aio(self, name: str) -> aio.Connection:
+        """`connect`, for asyncio (made on the event loop that will use it)."""
+        return aio.Connection(list(self.addresses), **self._connection_arguments(name))
+
+    def _connection_arguments(self, name: str) -> dict[str, Any]:
         # "" rather than None: not $RINGQ_HISTORY, one file that every task would append to at once.
         history = os.path.join(self.history_dir, f"history-{name}.jsonl") if self.history_dir else ""
-        return ringq.Connection(
-            list(self.addresses),
-            vhost=self.vhost,
-            name=name,
-            retry_for=self.retry_for,
-            history=history,
-            tls=ringq.TLS(ca=self.tls_ca) if self.tls_ca else None,
-            credentials=ringq.Credentials(self.user, self.password or "") if self.user is not None else None,
-        )
+        return {
+            "vhost": self.vhost,
+            "name": name,
+            "retry_for": self.retry_for,
+            "history": history,
+            "tls": ringq.TLS(ca=self.tls_ca) if self.tls_ca else None,
+            "credentials": ringq.Credentials(self.user, self.password or "") if self.user is not None else None,
+        }
 
 
 @dataclass(frozen=True)
@@ -315,8 +354,9 @@ class RingqDataSource(DataSource):
 
 
 def register(spark: SparkSession) -> None:
-    """Make format "ringq" available to `spark` (readStream and writeStream)."""
+    """Make formats "ringq" (readStream and writeStream) and "ringq-stream" (readStream) available to `spark`."""
     spark.dataSource.register(RingqDataSource)
+    spark.dataSource.register(RingqStreamDataSource)
 
 
 # --------------------------------------------------------------------- sink
@@ -604,3 +644,270 @@ class RingqStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         self._unflushed = False
         if connection is not None:
             connection.close()
+
+
+# ------------------------------------------------------------ stream source
+
+
+@dataclass(frozen=True)
+class StreamSourceOptions:
+    """The options of the "ringq-stream" source: where the ordered stream is, and how batches are cut."""
+
+    origin: QueueOptions  # `queue` holds the stream's name: the same connection options as the queue source
+    max_per_batch: int = 1000
+    prefetch: int = 2000
+    poll_timeout: float = 0.5
+    replay_timeout: float = 5.0
+    lease_ttl_ms: int = 3000
+
+    @property
+    def stream(self) -> str:
+        return self.origin.queue
+
+    @classmethod
+    def parse(cls, options: Mapping[str, str]) -> StreamSourceOptions:
+        lowered = _lowered(options)
+        if "queue" in lowered:
+            raise RingqOptionError(
+                'the ringq-stream source reads an ordered stream: give its name as "stream", not "queue" '
+                '(format "ringq" reads queues)'
+            )
+        stream = _required(lowered, "stream", "the name of an existing ringq ordered stream")
+        queue_source = SourceOptions.parse({**options, "queue": stream})
+        return cls(
+            origin=queue_source.origin,
+            max_per_batch=queue_source.max_per_batch,
+            prefetch=queue_source.prefetch,
+            poll_timeout=queue_source.poll_timeout,
+            replay_timeout=queue_source.replay_timeout,
+            lease_ttl_ms=_integer(lowered, "leaseTtlMs", 3000, 300),
+        )
+
+
+STREAM_FORMAT = "ringq-stream"
+STREAM_OFFSET_KEY = "stream_seq"
+STREAM_SOURCE_SCHEMA = StructType(
+    [
+        StructField("stream_seq", LongType(), False),
+        StructField("group", StringType(), False),
+        StructField("body", BinaryType(), False),
+        StructField("headers", MapType(StringType(), StringType(), False), False),
+        StructField("redelivered", BooleanType(), False),
+    ]
+)
+# The history event the stream source records for each message it hands to Spark (the ringq SDK does not
+# record stream deliveries yet); pipeline.guarantees.stream_order_violations checks them.
+STREAM_DELIVER_EVENT = "stream_deliver"
+
+
+class RingqStreamDataSource(DataSource):
+    """The "ringq-stream" format: a streaming source (readStream) of one ordered stream, in stream order."""
+
+    @classmethod
+    def name(cls) -> str:
+        return STREAM_FORMAT
+
+    def schema(self) -> StructType:
+        StreamSourceOptions.parse(self.options)  # a bad option fails at load(), not at start()
+        return STREAM_SOURCE_SCHEMA
+
+    def streamReader(self, schema: StructType) -> DataSourceStreamReader:
+        options = StreamSourceOptions.parse(self.options)
+        if schema.simpleString() != STREAM_SOURCE_SCHEMA.simpleString():
+            raise RingqOptionError(
+                f"the ringq-stream source has the schema {STREAM_SOURCE_SCHEMA.simpleString()}; do not give it "
+                f"another ({schema.simpleString()})"
+            )
+        return RingqOrderedStreamReader(options)
+
+
+class _Loop:
+    """An asyncio event loop on a daemon thread of this process, for the SDK's asyncio stream consumer (the
+    blocking SDK has no stream verbs). Lease renewals run on it between Spark's calls."""
+
+    _lock = threading.Lock()
+    _loop: asyncio.AbstractEventLoop | None = None
+
+    @classmethod
+    def acknowledge(cls, messages: Iterable[StreamMessage]) -> None:
+        """Acknowledge on the loop (the consumer's queues are not thread-safe)."""
+        batch = list(messages)
+        if batch:
+
+            async def ack() -> None:
+                for message in batch:
+                    message.ack()
+
+            cls.run(ack())
+
+    @classmethod
+    def run(cls, coroutine: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
+        with cls._lock:
+            if cls._loop is None:
+                loop = asyncio.new_event_loop()
+                threading.Thread(target=loop.run_forever, name="ringq-stream-source", daemon=True).start()
+                cls._loop = loop
+            loop = cls._loop
+        return asyncio.run_coroutine_threadsafe(coroutine, loop).result(timeout)
+
+
+def _stream_seq(offset: Mapping[str, Any]) -> int:
+    return int(offset[STREAM_OFFSET_KEY])
+
+
+def _stream_row(message: StreamMessage) -> tuple[Any, ...]:
+    return (message.stream_seq, message.group, bytes(message.body), dict(message.headers), message.redelivered)
+
+
+class RingqOrderedStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
+    """Reads one ordered stream as its single active consumer (the consumer lease is taken at the first
+    offset or partition asked for and held until the query stops) and acknowledges each message once the
+    batch holding it completed; see the stream source's guarantees in the module docstring."""
+
+    def __init__(self, options: StreamSourceOptions) -> None:
+        self.options = options
+        self._connection: aio.Connection | None = None
+        self._consumer: StreamConsumer | None = None
+        self._held: OrderedDict[int, StreamMessage] = OrderedDict()  # taken, not acknowledged, by stream_seq
+        self._rows: dict[int, tuple[Any, ...]] = {}  # the row of each held message, as first taken
+        self._done = 0  # stream_seq through which Spark completed the batches (acknowledged or to be)
+        self._budget: int | None = None  # Trigger.AvailableNow: how many more deliveries this run may see
+
+    # Spark's calls, all in the driver's source process except `read`.
+
+    def initialOffset(self) -> dict[str, int]:
+        return {STREAM_OFFSET_KEY: 0}
+
+    def getDefaultReadLimit(self) -> ReadLimit:
+        return ReadMaxRows(self.options.max_per_batch)
+
+    def prepareForTriggerAvailableNow(self) -> None:
+        status = _Loop.run(self._connect().stream_status(self.options.stream))
+        depths = [group.depth for group in status.groups]
+        # Unacknowledged messages of every group (copies included: the SDK drops those, so a run may end on
+        # a poll timeout instead); unknown while a group's master is unreachable: no bound then.
+        self._budget = None if any(depth < 0 for depth in depths) else sum(depths)
+
+    def latestOffset(self, start: dict[str, Any], limit: ReadLimit) -> dict[str, int]:
+        begin = _stream_seq(start)
+        self._acknowledge_through(begin)  # Spark asks for batch N+1 only once batch N is done
+        most = limit.max_rows if isinstance(limit, ReadMaxRows) else self.options.prefetch
+        self._take(lambda: self._count_after(begin) >= most, self.options.poll_timeout, DRAIN_GAP_SECONDS)
+        after = [seq for seq in self._held if seq > begin][:most]
+        if not after and not self._held and self._budget is not None:
+            # Trigger.AvailableNow found nothing more: the run ends here. Spark stops this process without
+            # waiting for `stop`, so give the lease up (and send the acknowledgements) now.
+            self.stop()
+        return {STREAM_OFFSET_KEY: after[-1] if after else begin}
+
+    def partitions(self, start: dict[str, Any], end: dict[str, Any]) -> list[InputPartition]:
+        low, high = _stream_seq(start), _stream_seq(end)
+        self._acknowledge_through(low)
+        if not self._held or next(reversed(self._held)) < high:
+            # A batch from the offset log of an earlier run (a restart): take again through its last message.
+            wait = self.options.replay_timeout
+            self._take(lambda: bool(self._held) and next(reversed(self._held)) >= high, wait, wait)
+            if not self._held or next(reversed(self._held)) < high:
+                log.warning(
+                    "ringq-stream source: replaying stream %r through stream_seq %d found only %d messages",
+                    self.options.stream,
+                    high,
+                    self._count_after(low),
+                )
+        rows = [self._rows[seq] for seq in self._held if low < seq <= high]
+        return [RingqPartition(rows)] if rows else []
+
+    def read(self, partition: InputPartition) -> Iterator[tuple[Any, ...]]:
+        assert isinstance(partition, RingqPartition)
+        return iter(partition.rows)
+
+    def commit(self, end: dict[str, Any]) -> None:
+        self._acknowledge_through(_stream_seq(end))
+
+    def stop(self) -> None:
+        """Send the acknowledgements, give the consumer lease up and close the connection."""
+        connection, self._connection, self._consumer = self._connection, None, None
+        self._held.clear()
+        self._rows.clear()
+        if connection is not None:
+            _Loop.run(connection.close())
+
+    # The consumer.
+
+    def _connect(self) -> aio.Connection:
+        if self._connection is None:
+            origin = self.options.origin
+            name = f"spark-stream-source-{origin.queue}-{os.getpid()}"
+
+            async def made() -> aio.Connection:  # its channels belong to the loop that makes it
+                return origin.connect_aio(name)
+
+            self._connection = _Loop.run(made())
+        return self._connection
+
+    def _count_after(self, seq: int) -> int:
+        return sum(1 for held in self._held if held > seq)
+
+    def _take(self, enough: Callable[[], bool], first_wait: float, gap: float) -> None:
+        """Take messages while `enough()` is false and they come within `first_wait`, then `gap`; drop (and
+        acknowledge) what Spark already completed, keep one copy of each message held."""
+        connection = self._connect()
+        if self._consumer is None:
+            self._consumer = _Loop.run(
+                connection.stream_consumer(
+                    self.options.stream, prefetch=self.options.prefetch, lease_ttl_ms=self.options.lease_ttl_ms
+                )
+            )
+        try:
+            self._take_from(self._consumer, connection, enough, first_wait, gap)
+        finally:
+            connection.history.flush()  # a source process is killed rather than stopped: keep what it saw
+
+    def _take_from(
+        self,
+        consumer: StreamConsumer,
+        connection: aio.Connection,
+        enough: Callable[[], bool],
+        first_wait: float,
+        gap: float,
+    ) -> None:
+        wait = first_wait
+        while not enough() and not (self._budget is not None and self._budget <= 0):
+            message = _Loop.run(consumer.next(max(wait, 0.001)))  # raises once the lease is lost
+            if message is None:
+                return
+            if self._budget is not None:
+                self._budget -= 1
+            wait = gap
+            seq = message.stream_seq
+            if seq <= self._done:  # a batch Spark completed holds it (its acknowledgement lost, or not yet sent)
+                _Loop.acknowledge([message])
+            elif seq in self._held:
+                self._held[seq] = message  # it came again on a new consume call: acknowledge this delivery
+            elif self._held and seq < next(reversed(self._held)):
+                raise RingqStreamOrderError(
+                    f"stream {self.options.stream!r} delivered stream_seq {seq} after {next(reversed(self._held))}"
+                )
+            else:
+                self._held[seq] = message
+                self._rows[seq] = _stream_row(message)
+                connection.history.record(
+                    STREAM_DELIVER_EVENT,
+                    stream=self.options.stream,
+                    stream_seq=seq,
+                    group=message.group,
+                    redelivered=message.redelivered,
+                )
+
+    def _acknowledge_through(self, seq: int) -> None:
+        self._done = max(self._done, seq)
+        completed: list[StreamMessage] = []
+        while self._held and next(iter(self._held)) <= self._done:
+            done, message = self._held.popitem(last=False)
+            self._rows.pop(done, None)
+            completed.append(message)
+        _Loop.acknowledge(completed)
+
+
+class RingqStreamOrderError(RuntimeError):
+    """The stream delivered a message below one already taken (never, by the stream's guarantees)."""
