@@ -164,7 +164,7 @@ async def _a_group_with_backlog_rejoins_only_once_drained(four: cluster.ClusterI
         await until(f"{head} struck from the send list", struck)
         later = [await producer.publish(f"b{i}".encode()) for i in range(100)]
         assert producer.groups_used[-1] != head
-        cluster.start_node(four.directory, mirror)
+        await asyncio.to_thread(cluster.start_node, four.directory, mirror)  # the loop keeps renewing leases
         await every_node_live(four)
 
         async def whole_again() -> bool:
@@ -209,7 +209,7 @@ async def _consumption_stalls_without_the_head_groups_replicas_and_never_skips(f
         await until("stream_status saying consumption stalls", says_stalled)
         print("stream_status:", (await status(conn, "s3")).consume_state)
         for node in lost:
-            cluster.start_node(four.directory, node)
+            await asyncio.to_thread(cluster.start_node, four.directory, node)  # the loop keeps renewing leases
         got: list[int] = []
         deadline = time.monotonic() + DEADLINE_S
         while len(set(got)) < len(first) + len(later):

@@ -40,6 +40,8 @@ DEFAULT_PREFETCH = 100
 MAX_PREFETCH = 10_000
 POLL_S = 0.1  # how often an empty head, or a stalled one, is looked at again
 TOKEN_RECHECK_S = 0.5
+# The client half-closed and its acks are settled: the group's reading ends, and so does the call.
+_CLIENT_DONE = stream_pb2.ConsumeStreamResponse(waiting="the consumer closed")
 
 
 class _Ended(Exception):
@@ -68,6 +70,8 @@ class _Acks:
     def switch(self, group: str) -> None:
         self.group = group
         self.sink = asyncio.Queue()
+        if self.client_done.is_set():
+            self.sink.put_nowait(None)
 
 
 def delivery(group: str, ready: Delivery) -> stream_pb2.StreamDelivery:
@@ -102,7 +106,8 @@ async def serve(
     async def read_acks() -> None:
         async for request in requests:
             acks.route(list(request.acks))
-        acks.client_done.set()
+        acks.client_done.set()  # half-closed: its acks are settled, then the call ends (OK)
+        acks.sink.put_nowait(None)
 
     reader = asyncio.ensure_future(read_acks())
     said = ""
@@ -191,10 +196,9 @@ async def _read_group(
 
     async def settle() -> None:
         while (tags := await acks.sink.get()) is not None:
-            error = replica.settle_now(tag, [Settlement(t, False, "ack") for t in tags])
-            if error is not None:
-                events.put_nowait(_Ended(grpc.StatusCode.FAILED_PRECONDITION, str(error)))
-                return
+            # An unknown tag (an ack of an earlier call's delivery, which came again) changes nothing.
+            replica.settle_now(tag, [Settlement(t, False, "ack") for t in tags])
+        events.put_nowait(_CLIENT_DONE)
 
     async def watch_drain() -> None:
         checked_token = time.monotonic()
@@ -217,6 +221,8 @@ async def _read_group(
             event = await events.get()
             if isinstance(event, _Ended):
                 raise event
+            if event is _CLIENT_DONE:
+                return
             yield event
             if event.group_drained:
                 return
@@ -276,6 +282,7 @@ async def _relay_group(
             while (tags := await acks.sink.get()) is not None:
                 settled = [stream_pb2.StreamAck(group=group, delivery_tag=t) for t in tags]
                 await call.write(stream_pb2.ConsumeStreamRequest(acks=settled))
+            await call.done_writing()
 
     pumping = asyncio.ensure_future(pump())
     try:
@@ -285,6 +292,8 @@ async def _relay_group(
             yield response
             if response.group_drained:
                 return
+        if acks.client_done.is_set():
+            return  # we half-closed it, as the client did ours
         raise _Ended(grpc.StatusCode.UNAVAILABLE, "its master's node ended the stream")
     except grpc.aio.AioRpcError as error:
         code = error.code()

@@ -9,8 +9,9 @@ the whole call to the master's node (once; a relayed call is served or refused t
 Guarantees: a batch is answered only once both replicas of the group hold it (the group refuses sends
 without its synchronised mirror, replica_core.py); a batch with a stale or missing token is refused with
 FAILED_PRECONDITION and nothing of it is stored; batches are appended in the order they came; once the
-group's generation is sealed here (gates.py: consumers are about to report it drained) no batch of it is
-appended any more: the call ends UNAVAILABLE and the producer resends to the next send group. In the
+group has left the send list (seen within SEND_LIST_CHECK_S) or its generation is sealed here (gates.py:
+consumers are about to report it drained) no batch of it is appended any more: the call ends UNAVAILABLE
+and the producer resends to the next send group. In the
 queue, a message's publisher is "stream:TOKEN" and its seq the low 32 bits of its stream_seq, so a
 producer's resend to the same group is stored once.
 """
@@ -38,6 +39,9 @@ MAX_MESSAGES = 1000
 SEQ_HEADER = "x-stream-seq"
 RESERVED_HEADER_PREFIX = "x-stream-"
 TOKEN_SHIFT = 32
+# How often a publish stream looks at the send list: a group struck from it (a replica lost, even if
+# replaced since) takes no batch after the next look; the producer resends to the new head.
+SEND_LIST_CHECK_S = 0.2
 
 
 def batch_problem(request: stream_pb2.PublishStreamRequest, after_seq: int) -> str | None:
@@ -216,6 +220,12 @@ async def _append(
                 if not shell.fencing.current(lease, request.fencing_token):
                     failed(grpc.StatusCode.FAILED_PRECONDITION, f"stream {name!r}: the fencing token expired")
                     return
+                if left_send_list.is_set():
+                    failed(
+                        grpc.StatusCode.UNAVAILABLE,
+                        f"group {group} left the send list (a replica was lost); resend to the stream",
+                    )
+                    return
                 if not shell.gates.open_for(key, generation):
                     failed(
                         grpc.StatusCode.UNAVAILABLE,
@@ -237,6 +247,21 @@ async def _append(
         finally:
             pending.put_nowait(None)
 
+    async def follow_send_list() -> None:
+        """Note when the group stops being the send list's head (struck, even if whole again since)."""
+        request = coordinator_pb2.GetStreamRecordRequest(vhost=vhost, name=name)
+        while True:
+            await asyncio.sleep(SEND_LIST_CHECK_S)
+            try:
+                record = (await shell.coordinator.call(lambda stub: stub.GetStreamRecord, request)).stream
+            except grpc.aio.AioRpcError:
+                continue
+            if not record.send_list or record.send_list[0] != group or record.generations.get(group) != generation:
+                left_send_list.set()
+                return
+
+    left_send_list = asyncio.Event()
+    follower = asyncio.ensure_future(follow_send_list())
     reader = asyncio.ensure_future(read())
     try:
         while (item := await pending.get()) is not None:
@@ -246,6 +271,7 @@ async def _append(
                 await abort(context, refusal.code, refusal.details)
     finally:
         reader.cancel()
+        follower.cancel()
         while not pending.empty():
             leftover = pending.get_nowait()
             if leftover is not None:

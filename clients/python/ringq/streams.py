@@ -47,6 +47,7 @@ if TYPE_CHECKING:
 
 TOKEN_SHIFT = 32
 DEFAULT_LEASE_TTL_MS = 3000
+CLOSE_TIMEOUT_S = 2.0  # how long closing a consumer waits for the node to settle its acks
 _ROLES = {"producer": stream_pb2.STREAM_ROLE_PRODUCER, "consumer": stream_pb2.STREAM_ROLE_CONSUMER}
 _ROLE_NAMES = {value: name for name, value in _ROLES.items()}
 _RETRYABLE = (
@@ -348,6 +349,7 @@ class StreamProducer:
             with contextlib.suppress(asyncio.CancelledError, grpc.aio.AioRpcError):
                 await self._runner
         await self.lease.release()
+        self.connection._closed(self.close)
 
     async def __aenter__(self) -> StreamProducer:
         return self
@@ -449,8 +451,8 @@ class StreamConsumer:
         self.waiting = ""  # why nothing is delivered now, as the broker said last
         self.last_seq = 0
         self._unacked: set[int] = set()  # seqs delivered to the application, not yet acknowledged
-        self._inbox: asyncio.Queue[StreamMessage | RingqError] = asyncio.Queue()
-        self._acks: asyncio.Queue[stream_pb2.StreamAck] = asyncio.Queue()
+        self._inbox: asyncio.Queue[StreamMessage | RingqError | None] = asyncio.Queue()  # None: closed
+        self._acks: asyncio.Queue[stream_pb2.StreamAck | None] = asyncio.Queue()  # None: half-close
         self._call = 0
         self._runner: asyncio.Task[None] | None = None
         self._closed = False
@@ -472,6 +474,8 @@ class StreamConsumer:
         if self._closed:
             raise StopAsyncIteration
         item = await self._inbox.get()
+        if item is None:  # closed while waiting
+            raise StopAsyncIteration
         if isinstance(item, RingqError):
             raise item
         return item
@@ -492,15 +496,17 @@ class StreamConsumer:
         """Send the acks, stop, and give the lease up (a standby takes over at once); idempotent."""
         if self._closed:
             return
-        deadline = asyncio.get_running_loop().time() + 2.0
-        while not self._acks.empty() and asyncio.get_running_loop().time() < deadline:
-            await asyncio.sleep(0.01)
         self._closed = True
+        self._inbox.put_nowait(None)  # an iteration waiting for a message ends
+        self._acks.put_nowait(None)  # after the acks: half-close, so the node settles them, then ends the call
         if self._runner is not None:
+            with contextlib.suppress(TimeoutError, asyncio.CancelledError, grpc.aio.AioRpcError, RingqError):
+                await asyncio.wait_for(asyncio.shield(self._runner), CLOSE_TIMEOUT_S)
             self._runner.cancel()
             with contextlib.suppress(asyncio.CancelledError, grpc.aio.AioRpcError):
                 await self._runner
         await self.lease.release()
+        self.connection._closed(self.close)
 
     async def __aenter__(self) -> StreamConsumer:
         return self
@@ -523,6 +529,8 @@ class StreamConsumer:
         self._call += 1
         this_call = self._call
         self._acks = asyncio.Queue()
+        if self._closed:
+            return
         call = stub(self.connection).ConsumeStream()
         await call.write(
             stream_pb2.ConsumeStreamRequest(
@@ -532,11 +540,16 @@ class StreamConsumer:
 
         async def write_acks() -> None:
             with contextlib.suppress(grpc.aio.AioRpcError, asyncio.InvalidStateError):
-                while True:
+                closing = False
+                while not closing:
                     acks = [await self._acks.get()]
                     while not self._acks.empty() and len(acks) < 256:
                         acks.append(self._acks.get_nowait())
-                    await call.write(stream_pb2.ConsumeStreamRequest(acks=acks))
+                    closing = None in acks
+                    batch = [ack for ack in acks if ack is not None]
+                    if batch:
+                        await call.write(stream_pb2.ConsumeStreamRequest(acks=batch))
+                await call.done_writing()
 
         writer = asyncio.ensure_future(write_acks())
         try:
