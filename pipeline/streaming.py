@@ -102,9 +102,9 @@ stream order; a committed batch never again):
   the stream) is acknowledged and dropped, not read again.
 - Trigger.AvailableNow takes at most the unacknowledged messages of the stream's groups when the run
   starts (copies count there, so a run may end on pollTimeoutMs instead) and ends when none is left.
-- With historyDir set, each message the source takes is recorded in its history as a `stream_deliver`
-  event (stream, stream_seq, group, redelivered), flushed after each take, for the lifecycle job's
-  stream-order check (pipeline.guarantees.stream_order_violations).
+- With historyDir set, each message the SDK hands the source is recorded in its history as a
+  `stream_deliver` event (stream, stream_seq, group, redelivered; by ringq.streams), flushed after each
+  take, for the lifecycle job's stream-order check (pipeline.guarantees.stream_order_violations).
 """
 
 from __future__ import annotations
@@ -695,9 +695,6 @@ STREAM_SOURCE_SCHEMA = StructType(
         StructField("redelivered", BooleanType(), False),
     ]
 )
-# The history event the stream source records for each message it hands to Spark (the ringq SDK does not
-# record stream deliveries yet); pipeline.guarantees.stream_order_violations checks them.
-STREAM_DELIVER_EVENT = "stream_deliver"
 
 
 class RingqStreamDataSource(DataSource):
@@ -890,14 +887,7 @@ class RingqOrderedStreamReader(DataSourceStreamReader, SupportsTriggerAvailableN
                 )
             else:
                 self._held[seq] = message
-                self._rows[seq] = _stream_row(message)
-                connection.history.record(
-                    STREAM_DELIVER_EVENT,
-                    stream=self.options.stream,
-                    stream_seq=seq,
-                    group=message.group,
-                    redelivered=message.redelivered,
-                )
+                self._rows[seq] = _stream_row(message)  # the SDK recorded its delivery (stream_deliver)
 
     def _acknowledge_through(self, seq: int) -> None:
         self._done = max(self._done, seq)

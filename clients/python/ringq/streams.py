@@ -569,19 +569,35 @@ class StreamConsumer:
         telemetry = self.connection.telemetry
         if telemetry.tracing or telemetry.metering:
             telemetry.stream_received(self.stream, d.headers, d.group, d.stream_seq, d.redelivered, copy, len(d.body))
+        history = self.connection.history
         if d.stream_seq <= self.last_seq:
             if d.stream_seq in self._unacked:  # the application has it, unacknowledged: it comes again
                 self.redeliveries += 1
                 message.redelivered = True
-                self._inbox.put_nowait(message)
+                self._deliver(message)
                 return
             self.duplicates_dropped += 1  # a copy (a resend after a lost confirm): drop it
             self._acks.put_nowait(stream_pb2.StreamAck(group=d.group, delivery_tag=d.delivery_tag))
+            if history.on:
+                history.record("stream_duplicate", stream=self.stream, stream_seq=d.stream_seq, group=d.group)
             return
         self.last_seq = d.stream_seq
         self._unacked.add(d.stream_seq)
         if d.redelivered:
             self.redeliveries += 1
+        self._deliver(message)
+
+    def _deliver(self, message: StreamMessage) -> None:
+        """Hand `message` to the application (and say so in the history: pipeline/guarantees.py checks it)."""
+        history = self.connection.history
+        if history.on:
+            history.record(
+                "stream_deliver",
+                stream=self.stream,
+                stream_seq=message.stream_seq,
+                group=message.group,
+                redelivered=message.redelivered,
+            )
         self._inbox.put_nowait(message)
 
 
