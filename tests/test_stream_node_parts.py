@@ -16,7 +16,7 @@ from services.coordinator.metadata_service import now_ms
 from services.coordinator.stream_service import declare_stream, delete_stream, observe_groups
 from services.stream.fencing import FencingCheck, LeaseRead, StaleToken
 from services.stream.gates import GroupGates
-from services.stream.publish import batch_problem, outgoing
+from services.stream.publish import batch_problem, outgoing, stream_seq
 from tests.memory_store import MemoryStore
 
 
@@ -99,8 +99,10 @@ def test_batches_must_carry_their_token_and_increasing_seqs() -> None:
     assert "from 1" in (batch_problem(_batch(2, 0), 0) or "")
     assert "reserved" in (batch_problem(_batch(2, 1, **{"x-stream-seq": "9"}), 0) or "")
     assert "empty" in (batch_problem(stream_pb2.PublishStreamRequest(fencing_token=1), 0) or "")
-    (item,) = outgoing(_batch(2, 7))
-    assert (item.publisher, item.seq, item.headers["x-stream-seq"]) == ("stream:2", 7, str((2 << 32) | 7))
+    (item,) = outgoing(_batch(2, 7, trace="t"))
+    assert (item.publisher, item.seq, item.headers) == ("stream:2", 7, {"trace": "t"})
+    assert stream_seq(item.publisher, item.seq) == (2 << 32) | 7
+    assert stream_seq("someone", 7) == 0
 
 
 def _nodes(store: MemoryStore, *names: str) -> None:

@@ -33,7 +33,7 @@ from services.queue.master import Delivery, QueueError, Settlement
 from services.queue.replica import QueueReplica
 from services.queue.service import _ReadyBatches
 from services.stream.fencing import CONSUMER, StaleToken, lease_name
-from services.stream.publish import SEQ_HEADER
+from services.stream.publish import stream_seq
 from services.stream.shell import Context, StreamShell, abort, relayed, stream_names
 
 DEFAULT_PREFETCH = 100
@@ -75,12 +75,11 @@ class _Acks:
 
 
 def delivery(group: str, ready: Delivery) -> stream_pb2.StreamDelivery:
-    headers = dict(ready.message.headers)
-    seq = int(headers.pop(SEQ_HEADER, "0") or 0)
+    message = ready.message
     return stream_pb2.StreamDelivery(
-        stream_seq=seq,
-        body=ready.message.body,
-        headers=headers,
+        stream_seq=stream_seq(message.publisher, message.publisher_seq),
+        body=message.body,
+        headers=message.headers,
         group=group,
         delivery_tag=ready.delivery_tag,
         redelivered=ready.redelivered,

@@ -36,7 +36,7 @@ from services.stream.fencing import PRODUCER, StaleToken, lease_name
 from services.stream.shell import Context, StreamShell, abort, relayed, stream_names
 
 MAX_MESSAGES = 1000
-SEQ_HEADER = "x-stream-seq"
+PUBLISHER_PREFIX = "stream:"
 RESERVED_HEADER_PREFIX = "x-stream-"
 TOKEN_SHIFT = 32
 # How often a publish stream looks at the send list: a group struck from it (a replica lost, even if
@@ -73,17 +73,21 @@ def batch_problem(request: stream_pb2.PublishStreamRequest, after_seq: int) -> s
 
 
 def outgoing(request: stream_pb2.PublishStreamRequest) -> list[Outgoing]:
-    publisher = f"stream:{request.fencing_token}"
+    """The batch as the group's queue keeps it: publisher "stream:TOKEN", seq the low 32 bits of the
+    stream_seq (which the two give back: `stream_seq`), so nothing is added to a message."""
+    publisher = f"{PUBLISHER_PREFIX}{request.fencing_token}"
     return [
-        Outgoing(
-            m.body,
-            publisher,
-            m.stream_seq & 0xFFFFFFFF,
-            m.persistent,
-            {**m.headers, SEQ_HEADER: str(m.stream_seq)},
-        )
+        Outgoing(m.body, publisher, m.stream_seq & 0xFFFFFFFF, m.persistent, dict(m.headers) if m.headers else {})
         for m in request.messages
     ]
+
+
+def stream_seq(publisher: str, publisher_seq: int) -> int:
+    """The stream_seq of a message the group's queue keeps as published by `publisher` with `publisher_seq`
+    (0 if it was not published to a stream)."""
+    if not publisher.startswith(PUBLISHER_PREFIX):
+        return 0
+    return (int(publisher[len(PUBLISHER_PREFIX) :]) << TOKEN_SHIFT) | publisher_seq
 
 
 class _Refusal(Exception):
