@@ -138,3 +138,17 @@ def test_a_group_not_whole_leaves_the_send_list_at_the_next_pass() -> None:
     metadata.update_queue(store, replace(first, synchronised_mirrors=()), first.version)
     assert observe_groups(store, 10_000) == 1
     assert stream_records.get_stream(store, "/", "s").lists.send == stream.groups[1:]
+
+
+def test_a_drained_report_keeps_the_highest_consumed_stream_seq_in_the_record() -> None:
+    store = MemoryStore()
+    stream = stream_records.declare_stream(store, "/", "s", 2, True)
+    first, second = stream.groups
+    stream_records.pick(store, "/", "s")  # first takes sends
+    stream_records.change_lists(store, "/", "s", lambda lists: lists.replica_lost(first))
+    stream_records.pick(store, "/", "s")  # second takes sends now
+    after = stream_records.change_lists(store, "/", "s", lambda lists: lists.drained(first, 1, (1 << 32) | 9))
+    assert after.lists.consume == (second,)
+    assert stream_records.get_stream(store, "/", "s").lists.consumed_through == (1 << 32) | 9
+    stale = stream_records.change_lists(store, "/", "s", lambda lists: lists.drained(first, 1, 5))
+    assert stale.lists.consumed_through == (1 << 32) | 9, "an ignored report changes nothing"

@@ -1366,6 +1366,7 @@ class StreamConsumer {
     call.on('data', (/** @type {{ deliveries: StreamDelivery[], groupDrained: string, waiting: string }} */ response) => {
       if (call !== this.call || this.closing) return;
       this.waiting = response.waiting;
+      this.duplicatesDropped += Number(response.copies_dropped || 0); // copies the broker dropped for us
       if (response.deliveries.length > 0) this.failures = 0;
       for (const delivery of response.deliveries) {
         if (call !== this.call || this.closing) return; // closed, or failed by onMessage mid-response

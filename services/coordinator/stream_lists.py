@@ -28,6 +28,10 @@ list is one that may hold messages not consumed yet (the seed's "backlog" mark).
 4. A group joins the tail of the send list only when both its replicas are live and it is not in the
    consume list: it has no backlog. (A group still in the consume list, even empty, would put the
    messages it took now behind messages of later groups that consumers have not read yet.)
+5. A drained report also names the highest stream_seq consumers acknowledged in the group; the lists
+   keep the highest (`consumed_through`), and consumers drop any message at or below it: a copy a
+   producer's failover stored in a later group is never delivered again, not even to a consumer
+   instance that took over and so cannot know what its predecessor saw.
 
 What it guarantees
 ------------------
@@ -68,6 +72,10 @@ class StreamLists:
     consume: tuple[str, ...] = ()
     down: frozenset[str] = frozenset()  # groups with a replica missing
     generations: Mapping[str, int] = field(default_factory=dict)
+    # The highest stream_seq consumers acknowledged in groups already drained: a copy at or below it in a
+    # later group (stored twice by a producer's failover) is dropped by the broker, whichever consumer
+    # instance reads it (rule 5).
+    consumed_through: int = 0
 
     @classmethod
     def new(cls, groups: Iterable[str]) -> StreamLists:
@@ -134,12 +142,14 @@ class StreamLists:
             return self
         return replace(self, down=self.down - {group})._readmit([group])
 
-    def drained(self, group: str, generation: int) -> StreamLists:
-        """Consumers read and acknowledged all of `group` of `generation` (rule 3)."""
+    def drained(self, group: str, generation: int, through: int = 0) -> StreamLists:
+        """Consumers read and acknowledged all of `group` of `generation` (rule 3), up to stream_seq
+        `through` (rule 5)."""
         self._known(group)
         if generation != self.generation(group) or self.consume_head != group or self.send_group == group:
             return self  # stale, not the head, or still taking sends: nothing to do
-        return replace(self, consume=self.consume[1:])._readmit([group])
+        consumed = max(self.consumed_through, through)
+        return replace(self, consume=self.consume[1:], consumed_through=consumed)._readmit([group])
 
     def observe(self, whole: Mapping[str, bool]) -> StreamLists:
         """Apply what the coordinator sees of each group (True: both replicas live and in step)."""

@@ -142,6 +142,7 @@ def _value(stream: StreamRecord) -> dict[str, Any]:
         "consume": list(lists.consume),
         "down": sorted(lists.down),
         "generations": dict(lists.generations),
+        "consumed_through": lists.consumed_through,
     }
 
 
@@ -153,5 +154,6 @@ def _from_record(record: Record) -> StreamRecord:
         consume=tuple(v["consume"]),
         down=frozenset(v["down"]),
         generations={str(group): int(n) for group, n in v["generations"].items()},
+        consumed_through=int(v.get("consumed_through", 0)),
     )
     return StreamRecord(str(v["vhost"]), str(v["name"]), bool(v["durable"]), lists, record.version)

@@ -47,6 +47,7 @@ def stream_to_proto(stream: StreamRecord) -> coordinator_pb2.StreamRecord:
         down=sorted(lists.down),
         generations=dict(lists.generations),
         version=stream.version,
+        consumed_through=lists.consumed_through,
     )
 
 
@@ -207,11 +208,16 @@ class StreamRecordRpcs:
         self, request: coordinator_pb2.ReportGroupDrainedRequest, context: _Context
     ) -> coordinator_pb2.ReportGroupDrainedResponse:
         await require(context, name=request.name, group=request.group)
-        vhost, group, generation = request.vhost or "/", request.group, request.generation
+        vhost, group, generation, through = (
+            request.vhost or "/",
+            request.group,
+            request.generation,
+            request.consumed_through,
+        )
 
         def report() -> StreamRecord:
             return stream_records.change_lists(
-                self._store, vhost, request.name, lambda lists: lists.drained(group, generation)
+                self._store, vhost, request.name, lambda lists: lists.drained(group, generation, through)
             )
 
         try:

@@ -33,7 +33,7 @@ from services.queue.master import Delivery, QueueError, Settlement
 from services.queue.replica import QueueReplica
 from services.queue.service import _ReadyBatches
 from services.stream.fencing import CONSUMER, StaleToken, lease_name
-from services.stream.publish import stream_seq
+from services.stream.publish import highest_stored, stream_seq
 from services.stream.shell import Context, StreamShell, abort, relayed, stream_names
 
 DEFAULT_PREFETCH = 100
@@ -131,7 +131,7 @@ async def serve(
                 replica = shell.local_master(vhost, head)
                 if replica is not None:
                     generation = record.generations.get(head, 0)
-                    source = _read_group(shell, replica, head, generation, first, lease, acks)
+                    source = _read_group(shell, replica, head, generation, first, lease, acks, record.consumed_through)
                 elif queue is not None and queue.master and not relayed(context):
                     stub = await shell.stub_to(queue.master, principal)
                     if stub is not None:
@@ -176,8 +176,11 @@ async def _read_group(
     first: stream_pb2.ConsumeStreamRequest,
     lease: str,
     acks: _Acks,
+    consumed_through: int,
 ) -> AsyncIterator[stream_pb2.ConsumeStreamResponse]:
-    """Deliver `group` from its master here until it is drained (then one response naming it)."""
+    """Deliver `group` from its master here until it is drained (then one response naming it). A message
+    at or below `consumed_through` is a copy of one consumed in an earlier group: acknowledged here, not
+    delivered (stream_lists.py rule 5)."""
     vhost, name = stream_names(first.stream)
     key = (vhost, group)
     tag = f"stream.{uuid.uuid4().hex[:12]}"
@@ -190,7 +193,13 @@ async def _read_group(
     async def forward_deliveries() -> None:
         batches = _ReadyBatches(consumer.deliveries)
         while batch := await batches.next():
-            events.put_nowait(stream_pb2.ConsumeStreamResponse(deliveries=[delivery(group, d) for d in batch]))
+            out = [delivery(group, d) for d in batch]
+            copies = [d.delivery_tag for d in out if d.stream_seq <= consumed_through]
+            if copies:
+                replica.settle_now(tag, [Settlement(t, False, "ack") for t in copies])
+                out = [d for d in out if d.stream_seq > consumed_through]
+            if out or copies:
+                events.put_nowait(stream_pb2.ConsumeStreamResponse(deliveries=out, copies_dropped=len(copies)))
         events.put_nowait(_Ended(grpc.StatusCode.UNAVAILABLE, "its master stopped serving it"))
 
     async def settle() -> None:
@@ -256,11 +265,15 @@ async def _drained(
     await shell.gates.seal(key, generation)
     if master.contents.depth:
         return False  # a batch sent before the seal landed: read it first
+    report = coordinator_pb2.ReportGroupDrainedRequest(
+        vhost=vhost,
+        name=name,
+        group=group,
+        generation=generation,
+        consumed_through=highest_stored(master.contents.publishers),
+    )
     try:
-        after = await shell.coordinator.call(
-            lambda stub: stub.ReportGroupDrained,
-            coordinator_pb2.ReportGroupDrainedRequest(vhost=vhost, name=name, group=group, generation=generation),
-        )
+        after = await shell.coordinator.call(lambda stub: stub.ReportGroupDrained, report)
     except grpc.aio.AioRpcError:
         return False
     return group not in after.stream.consume_list
@@ -286,7 +299,7 @@ async def _relay_group(
     pumping = asyncio.ensure_future(pump())
     try:
         async for response in call:
-            if response.waiting and not response.deliveries:
+            if response.waiting and not response.deliveries and not response.copies_dropped:
                 continue  # the master's node waits: this node says its own waiting
             yield response
             if response.group_drained:

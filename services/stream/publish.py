@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
 import grpc
@@ -28,6 +28,7 @@ import grpc
 from ringq.internal.v1 import coordinator_pb2
 from ringq.v1 import stream_pb2
 from services.access import Operation
+from services.queue.contents import PublisherSeqs
 from services.queue.master import Publish as Outgoing
 from services.queue.master import PublishOutcome, QueueError
 from services.queue.replica import QueueReplica
@@ -80,6 +81,15 @@ def outgoing(request: stream_pb2.PublishStreamRequest) -> list[Outgoing]:
         Outgoing(m.body, publisher, m.stream_seq & 0xFFFFFFFF, m.persistent, dict(m.headers) if m.headers else {})
         for m in request.messages
     ]
+
+
+def highest_stored(publishers: Mapping[str, PublisherSeqs]) -> int:
+    """The highest stream_seq a group's queue ever took (its publisher seqs outlive its messages)."""
+    highest = 0
+    for publisher, seqs in publishers.items():
+        if publisher.startswith(PUBLISHER_PREFIX):
+            highest = max(highest, stream_seq(publisher, max(seqs.above, default=seqs.through)))
+    return highest
 
 
 def stream_seq(publisher: str, publisher_seq: int) -> int:

@@ -1,17 +1,24 @@
 """Deterministic simulation of an ordered stream's lists (services/coordinator/stream_lists.py) under
 seeded random schedules: groups losing and regaining replicas (the coordinator learning of it at once
-or late), sends whose confirm is lost with a failing group, slow consumers and late drained reports.
-(Producers and consumers keep no state the lists depend on: a restarted one asks the lists again.)
+or late), sends whose confirm is lost with a failing group, producer failovers (a standby takes the
+lease with a higher fencing token; the old producer's late write is fenced off), consumer failovers
+(what the old consumer had not acknowledged comes again, flagged redelivered), slow consumers and late
+drained reports.
 
-The world: each broker group holds the stream sequence numbers it stored, in order; a producer numbers
-messages 1, 2, ... and sends each until one group confirms it (a send to a group that fails may store
-the message and still fail, so it may be stored twice); a consumer reads the consume list's head only,
-hands the application each sequence number above the last it handed (dropping duplicates, as the SDK
-does) and reports a finished group drained, the report reaching the coordinator after a random delay.
+The world: each broker group holds the stream_seqs it stored, in order. A producer numbers its messages
+(token << 32) | 1, 2, ... and sends each until a group confirms it; a send to a group that fails may
+store the message and still fail, so it may be stored twice. A consumer reads the consume list's head
+only. The broker drops a message at or below the lists' consumed_through (rule 5: a copy of one
+consumed in an earlier group); the consumer's SDK drops a message at or below the last it delivered
+unless the application holds it unacknowledged (then it comes again, flagged); the application
+acknowledges later, in order. A consumer that finds its head read and acknowledged to the end reports
+it drained with the highest stream_seq the group took, the report reaching the coordinator late.
 
-Checked after every step: the lists' own invariants; every group holding unread messages is in the
-consume list, and reading along it gives non-decreasing sequence numbers; the application saw
-1, 2, 3, ... with nothing skipped. At the end, with every group healed: everything confirmed was read.
+Checked after every step: the lists' own invariants; every group holding unacknowledged messages is in
+the consume list, and reading along it gives increasing stream_seqs apart from copies; the application
+never saw a stream_seq at or below one it saw before unless it came flagged redelivered and had been
+delivered before; nothing confirmed was skipped (every confirmed stream_seq below the highest delivered
+was delivered). At the end, with every group healed: everything confirmed was delivered.
 """
 
 from __future__ import annotations
@@ -21,13 +28,21 @@ from dataclasses import dataclass, field
 
 from services.coordinator.stream_lists import StreamLists, invariant_problems
 
+TOKEN_SHIFT = 32
+
 
 @dataclass
 class Group:
     name: str
     live: int = 2  # replicas live (0, 1 or 2)
-    stored: list[int] = field(default_factory=list)  # stream seqs, in the order stored
-    read: int = 0  # how many of `stored` the consumer acknowledged
+    stored: list[int] = field(default_factory=list)  # stream_seqs, in the order stored
+    acked: set[int] = field(default_factory=set)  # indexes of `stored` acknowledged
+    read: int = 0  # the next index to hand the current consumer instance
+    delivered_before: set[int] = field(default_factory=set)  # indexes handed to some consumer instance
+    highest: int = 0  # the highest stream_seq it ever took (its publisher seqs outlive its messages)
+
+    def unacked(self) -> list[int]:
+        return [seq for index, seq in enumerate(self.stored) if index not in self.acked]
 
 
 @dataclass
@@ -37,12 +52,22 @@ class StreamSim:
     rng: random.Random = field(init=False)
     groups: dict[str, Group] = field(init=False)
     lists: StreamLists = field(init=False)
-    next_seq: int = 1
-    sending: int | None = None  # a seq sent and not confirmed yet
+    token: int = 1  # the producer lease's fencing token
+    counter: int = 0  # the active producer's messages so far
+    sending: int | None = None  # a stream_seq sent and not confirmed yet
     confirmed: set[int] = field(default_factory=set)
-    delivered: list[int] = field(default_factory=list)
-    duplicates: int = 0
-    reports: list[tuple[int, str, int]] = field(default_factory=list)  # (due step, group, generation)
+    app: list[tuple[int, bool]] = field(default_factory=list)  # (stream_seq, redelivered) as the app saw them
+    app_seen: set[int] = field(default_factory=set)
+    app_checked: int = 0
+    app_highest: int = 0
+    in_hand: list[tuple[str, int, int]] = field(default_factory=list)  # (group, index, seq) not acked yet
+    instance_last: int = 0  # the consumer SDK's last delivered stream_seq (reset by a failover)
+    duplicates: int = 0  # copies the consumer SDK dropped
+    broker_dropped: int = 0  # copies the broker dropped (rule 5)
+    producer_failovers: int = 0
+    consumer_failovers: int = 0
+    fenced: int = 0  # late writes of a replaced producer, refused
+    reports: list[tuple[int, str, int, int]] = field(default_factory=list)  # (due, group, generation, through)
     step: int = 0
 
     def __post_init__(self) -> None:
@@ -62,36 +87,56 @@ class StreamSim:
     # ------------------------------------------------------------------ actions
 
     def _act(self, roll: float) -> None:
-        if roll < 0.40:
+        if roll < 0.34:
             self._send()
-        elif roll < 0.70:
+        elif roll < 0.56:
             self._consume()
-        elif roll < 0.78:
+        elif roll < 0.66:
+            self._ack()
+        elif roll < 0.72:
             self._fail_a_group()
-        elif roll < 0.88:
+        elif roll < 0.80:
             self._heal_a_group()
-        elif roll < 0.95:
+        elif roll < 0.87:
             self._deliver_reports()
-        else:
+        elif roll < 0.91:
             self._observe()
+        elif roll < 0.955:
+            self._producer_failover()
+        else:
+            self._consumer_failover()
 
     def _send(self) -> None:
         self.lists, group_name = self.lists.pick()
         if group_name is None:
             return  # every group is down or has backlog: the producer waits
         group = self.groups[group_name]
-        seq = self.sending if self.sending is not None else self.next_seq
-        self.sending = seq
-        if self.next_seq == seq:
-            self.next_seq += 1
+        if self.sending is None:
+            self.counter += 1
+            self.sending = (self.token << TOKEN_SHIFT) | self.counter
+        seq = self.sending
         if group.live < 2:
             return  # the group refuses: a replica is missing (the coordinator learns of it later)
-        group.stored.append(seq)
+        if seq not in group.stored:  # the queue drops a resend of the same publisher seq
+            group.stored.append(seq)
+            group.highest = max(group.highest, seq)
         if self.rng.random() < 0.1:  # the group fails while confirming: stored, but unconfirmed
             group.live = 1
             return
         self.confirmed.add(seq)
         self.sending = None
+
+    def _producer_failover(self) -> None:
+        """The active producer stops (its unconfirmed message abandoned, perhaps stored); a standby takes
+        the lease with the next token; the old one's late write carries the old token and is refused."""
+        old_token, late = self.token, self.sending
+        self.token += 1
+        self.counter = 0
+        self.sending = None
+        self.producer_failovers += 1
+        if late is not None:
+            assert late >> TOKEN_SHIFT == old_token < self.token  # the broker's fencing check refuses it
+            self.fenced += 1
 
     def _consume(self) -> None:
         head = self.lists.consume_head
@@ -101,16 +146,50 @@ class StreamSim:
         group = self.groups[head]
         if group.live == 0:
             return  # both replicas lost: consumption stalls, never skips ahead
-        if group.read < len(group.stored):
-            seq = group.stored[group.read]
+        while group.read < len(group.stored) and group.read in group.acked:
             group.read += 1
-            if self.delivered and seq <= self.delivered[-1]:
-                self.duplicates += 1  # stored twice by a failover: the SDK drops it
+        if group.read < len(group.stored):
+            index = group.read
+            group.read += 1
+            seq = group.stored[index]
+            redelivered = index in group.delivered_before
+            group.delivered_before.add(index)
+            if seq <= self.lists.consumed_through:  # a copy of one consumed in an earlier group (rule 5)
+                group.acked.add(index)
+                self.broker_dropped += 1
+            elif seq <= self.instance_last:
+                if any(held == seq for _, _, held in self.in_hand):  # the application holds it: again
+                    self._hand(head, index, seq, True)
+                else:
+                    group.acked.add(index)  # a copy: the SDK acknowledges and drops it
+                    self.duplicates += 1
             else:
-                self.delivered.append(seq)
-        elif self.lists.send_group != head:
+                self.instance_last = seq
+                self._hand(head, index, seq, redelivered)
+        elif len(group.acked) == len(group.stored) and self.lists.send_group != head:
             delay = self.rng.choice((0, 0, 1, 5, 30))
-            self.reports.append((self.step + delay, head, generation))
+            self.reports.append((self.step + delay, head, generation, group.highest))
+
+    def _hand(self, group: str, index: int, seq: int, redelivered: bool) -> None:
+        self.app.append((seq, redelivered))
+        self.in_hand.append((group, index, seq))
+
+    def _ack(self) -> None:
+        """The application acknowledges what it holds, oldest first (some of it)."""
+        for _ in range(self.rng.randint(1, 3)):
+            if not self.in_hand:
+                return
+            group, index, _ = self.in_hand.pop(0)
+            self.groups[group].acked.add(index)
+
+    def _consumer_failover(self) -> None:
+        """The active consumer dies: what it held unacknowledged goes back to its group; a standby starts
+        with no memory of what was delivered."""
+        self.in_hand.clear()
+        self.instance_last = 0
+        self.consumer_failovers += 1
+        for group in self.groups.values():
+            group.read = next((i for i in range(len(group.stored)) if i not in group.acked), len(group.stored))
 
     def _fail_a_group(self) -> None:
         group = self.groups[self.rng.choice(list(self.groups))]
@@ -136,13 +215,15 @@ class StreamSim:
     def _deliver_reports(self) -> None:
         due = [r for r in self.reports if r[0] <= self.step]
         self.reports = [r for r in self.reports if r[0] > self.step]
-        for _, group, generation in due:
+        for _, group, generation, through in due:
             before = self.lists
-            self.lists = self.lists.drained(group, generation)
+            self.lists = self.lists.drained(group, generation, through)
             if self.lists is not before:
                 emptied = self.groups[group]
-                assert emptied.read == len(emptied.stored), f"seed {self.seed}: {group} removed with unread messages"
-                emptied.stored, emptied.read = [], 0
+                assert len(emptied.acked) == len(emptied.stored), (
+                    f"seed {self.seed}: {group} removed with unacknowledged messages"
+                )
+                emptied.stored, emptied.acked, emptied.read, emptied.delivered_before = [], set(), 0, set()
 
     # ------------------------------------------------------------------ checks
 
@@ -150,33 +231,49 @@ class StreamSim:
         where = f"seed {self.seed} step {self.step}"
         problems = invariant_problems(self.lists)
         assert not problems, f"{where}: {problems} in {self.lists}"
-        unread = {name: g.stored[g.read :] for name, g in self.groups.items() if g.read < len(g.stored)}
+        unread = {name: g.unacked() for name, g in self.groups.items() if g.unacked()}
         missing = set(unread) - set(self.lists.consume)
-        assert not missing, f"{where}: {missing} hold unread messages outside the consume list {self.lists}"
+        assert not missing, f"{where}: {missing} hold unacknowledged messages outside the consume list {self.lists}"
         along = [seq for name in self.lists.consume for seq in unread.get(name, [])]
-        assert along == sorted(along), f"{where}: reading along the consume list gives {along}"
-        assert self.delivered == list(range(1, len(self.delivered) + 1)), (
-            f"{where}: the application saw {self.delivered}"
+        self._check_application(where)
+        # What is still to be delivered for the first time, read along the consume list: increasing.
+        firsts: list[int] = []
+        for seq in along:
+            if seq not in self.app_seen and seq > self.lists.consumed_through and seq not in firsts:
+                firsts.append(seq)
+        assert firsts == sorted(firsts), f"{where}: reading along the consume list gives {along}"
+
+    def _check_application(self, where: str) -> None:
+        """The deliveries since the last check (incrementally: `app_checked`, `app_highest`)."""
+        for seq, redelivered in self.app[self.app_checked :]:
+            if seq <= self.app_highest:
+                assert redelivered and seq in self.app_seen, (
+                    f"{where}: the application saw {seq} after {self.app_highest} unflagged"
+                )
+            self.app_seen.add(seq)
+            self.app_highest = max(self.app_highest, seq)
+        self.app_checked = len(self.app)
+        skipped = {seq for seq in self.confirmed if seq < self.app_highest} - self.app_seen
+        assert not skipped, (
+            f"{where}: confirmed {sorted(skipped)[:5]} skipped (the application is at {self.app_highest})"
         )
-        if self.delivered:
-            assert along == [] or along[0] >= self.delivered[-1], f"{where}: {along} behind {self.delivered[-1]}"
 
     def _heal_and_drain(self) -> None:
-        """Heal everything, finish sending, read everything: whatever was confirmed reaches the application."""
+        """Heal everything, finish sending, read and acknowledge everything: whatever was confirmed reaches
+        the application."""
         for group in self.groups.values():
             group.live = 2
             self.lists = self.lists.replicas_back(group.name)
-        for _ in range(10_000):
-            if self.sending is None and not self.lists.consume:
-                break
+        for _ in range(20_000):
             if self.sending is not None:
                 self._send()
             self._consume()
+            self._ack()
             self.step += 1
             self._deliver_reports()
             self._check()
-            if self.sending is None and all(g.read == len(g.stored) for g in self.groups.values()):
+            if self.sending is None and not self.in_hand and all(not g.unacked() for g in self.groups.values()):
                 break
-        assert self.confirmed <= set(self.delivered), (
-            f"seed {self.seed}: confirmed but never read: {sorted(self.confirmed - set(self.delivered))[:10]}"
+        assert self.confirmed <= self.app_seen, (
+            f"seed {self.seed}: confirmed but never delivered: {sorted(self.confirmed - self.app_seen)[:10]}"
         )

@@ -446,7 +446,7 @@ class StreamConsumer:
         self.stream = stream
         self.lease = _Lease(connection, stream, "consumer", holder, lease_ttl_ms)
         self.prefetch = prefetch
-        self.duplicates_dropped = 0
+        self.duplicates_dropped = 0  # copies dropped, by the broker (copies_dropped) or by this SDK
         self.redeliveries = 0
         self.waiting = ""  # why nothing is delivered now, as the broker said last
         self.last_seq = 0
@@ -555,6 +555,7 @@ class StreamConsumer:
         try:
             async for response in call:
                 self.waiting = response.waiting
+                self.duplicates_dropped += response.copies_dropped  # the broker dropped these for us
                 for d in response.deliveries:
                     self._receive(d, this_call)
         finally:
