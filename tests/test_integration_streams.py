@@ -341,7 +341,7 @@ async def _a_durable_stream_survives_a_whole_cluster_restart(tmp_path: Path) -> 
         await every_node_live(info)
         async with connection(info) as conn:
             consumer = await conn.stream_consumer("s6", prefetch=200)
-            bodies = []
+            bodies: list[tuple[int, bytes]] = []
             while len(bodies) < len(confirmed):
                 message = await consumer.next(DEADLINE_S)
                 assert message is not None, consumer.waiting
@@ -383,7 +383,7 @@ async def _bad_input_gets_clear_statuses(four: cluster.ClusterInfo) -> None:
             return refused.value
 
         missing = await publish_with(0)
-        assert missing.code() == grpc.StatusCode.FAILED_PRECONDITION and "no fencing token" in missing.details()
+        assert missing.code() == grpc.StatusCode.FAILED_PRECONDITION and "no fencing token" in (missing.details() or "")
         stale = await publish_with(producer.fencing_token + 7)
         assert stale.code() == grpc.StatusCode.FAILED_PRECONDITION
         head = (await status(conn, "s7")).consume_list[0]
@@ -402,7 +402,7 @@ async def _bad_input_gets_clear_statuses(four: cluster.ClusterInfo) -> None:
             stream=ref, role=stream_pb2.STREAM_ROLE_CONSUMER, holder="raw", fencing_token=token
         )
         await stub.ReleaseStreamLease(release)
-        await channel.close()
+        await channel.close(None)
         got, _ = await consume_all(conn, "s7", {producer.fencing_token << 32 | 1})
         assert got == [producer.fencing_token << 32 | 1]  # nothing lost by the refusals
         await producer.close()

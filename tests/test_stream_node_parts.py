@@ -37,7 +37,7 @@ def _fencing(leases: dict[str, LeaseRead], clock: Clock, reads: list[str]) -> Fe
 
 
 def test_a_token_is_current_only_until_the_lease_read_ends_from_when_it_was_asked() -> None:
-    clock, reads = Clock(), []
+    clock, reads = Clock(), list[str]()
     leases = {"l": LeaseRead(token=3, holder="a", remaining_ms=1000)}
     fencing = _fencing(leases, clock, reads)
     asyncio.run(fencing.check("l", 3))
@@ -55,7 +55,7 @@ def test_a_token_is_current_only_until_the_lease_read_ends_from_when_it_was_aske
 
 
 def test_a_missing_an_expired_or_an_unknown_token_is_refused() -> None:
-    clock, reads = Clock(), []
+    clock, reads = Clock(), list[str]()
     leases = {"l": LeaseRead(token=5, holder="a", remaining_ms=0)}
     fencing = _fencing(leases, clock, reads)
     with pytest.raises(StaleToken, match="no fencing token"):
