@@ -6,6 +6,7 @@ from collections.abc import Generator, Iterator
 
 import pytest
 
+from tests.sim import parallel
 from tests.zookeeper import SETUP_HINT, ZooKeeperServer, unavailable_reason
 
 
@@ -35,3 +36,8 @@ def pytest_runtest_makereport(
             lines = log.read_text(errors="replace").splitlines()[-LOG_TAIL_LINES:]
             report.sections.append((f"log tail {log.relative_to(tmp_path)}", "\n".join(lines)))
     return report
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """Stop the simulations' worker processes (tests/sim/parallel.py), if any were started."""
+    parallel.shutdown()

@@ -24,7 +24,7 @@ from google.protobuf import message_factory
 from grpc_health.v1 import health_pb2
 
 from ringq.internal.v1 import coordinator_pb2, peer_pb2
-from ringq.v1 import admin_pb2, group_pb2, queue_pb2
+from ringq.v1 import admin_pb2, group_pb2, queue_pb2, stream_pb2
 from services import certs, cluster
 from services.tls import Dialer
 from tests.clusters import GUEST, live_cluster
@@ -55,6 +55,7 @@ DOCUMENTED = {
 CLIENT_WRITE_RACE = "Internal error from Core"
 SERVICES = [
     ("node", queue_pb2.DESCRIPTOR.services_by_name["QueueService"]),
+    ("node", stream_pb2.DESCRIPTOR.services_by_name["StreamService"]),
     ("node", group_pb2.DESCRIPTOR.services_by_name["GroupService"]),
     ("cluster", peer_pb2.DESCRIPTOR.services_by_name["PeerService"]),
     ("node", admin_pb2.DESCRIPTOR.services_by_name["AdminService"]),

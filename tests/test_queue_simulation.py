@@ -10,17 +10,22 @@ from __future__ import annotations
 
 import pytest
 
+from tests.sim.parallel import run_seeds
 from tests.sim.queue_sim import QueueSimulation
 
 CHUNK = 250
 SEEDS = 2000
 
 
+def check_seed(seed: int) -> None:
+    """One seed's schedule (in a worker process: tests/sim/parallel.py)."""
+    simulation = QueueSimulation(seed).run()
+    assert len(simulation.checker.confirmed) == simulation.config.messages, f"seed {seed}"
+
+
 @pytest.mark.parametrize("first", range(0, SEEDS, CHUNK))
 def test_seeded_schedules_lose_no_confirmed_message_and_converge(first: int) -> None:
-    for seed in range(first, first + CHUNK):
-        simulation = QueueSimulation(seed).run()
-        assert len(simulation.checker.confirmed) == simulation.config.messages
+    run_seeds(check_seed, range(first, first + CHUNK))
 
 
 @pytest.mark.parametrize(

@@ -277,3 +277,16 @@ class StreamSim:
         assert self.confirmed <= self.app_seen, (
             f"seed {self.seed}: confirmed but never delivered: {sorted(self.confirmed - self.app_seen)[:10]}"
         )
+
+
+def stream_counts(seed: int) -> dict[str, int]:
+    """Run one seed (a failure raises); what its schedule did (for tests/sim/parallel.py's workers)."""
+    sim = StreamSim(seed).run()
+    return {
+        "duplicates": sim.duplicates,
+        "broker_dropped": sim.broker_dropped,
+        "producer_failovers": sim.producer_failovers,
+        "consumer_failovers": sim.consumer_failovers,
+        "fenced": sim.fenced,
+        "redelivered": sum(flag for _, flag in sim.app),
+    }
