@@ -32,6 +32,7 @@ LOGGER_JAR = JARS / "slf4j-simple.jar"
 MAIN_CLASS = "org.apache.zookeeper.server.quorum.QuorumPeerMain"
 JVM_FLAGS = ("-Xmx256m", "-XX:+UseSerialGC", "-XX:TieredStopAtLevel=1", "-Djava.net.preferIPv4Stack=true")
 SETUP_HINT = "run `make setup-zookeeper` (installs Debian's zookeeper package)"
+RESTART_PAUSE = 1.0
 START_TIMEOUT = 30.0
 STOP_GRACE = 10.0
 
@@ -111,8 +112,12 @@ class ZooKeeperServer:
                 self._await_ready(deadline)
                 return self.hosts
             except _ExitedEarly:
-                if not first_start or attempt == 2:
+                if attempt == 2:
                     raise RuntimeError(f"ZooKeeper exited at start; its log ends:\n{self.log_tail()}") from None
+                if not first_start:
+                    # A restart keeps its port (clients are configured with it): the old server's socket
+                    # may not be free yet on a loaded machine (seen under two CPU hogs): wait, try again.
+                    time.sleep(RESTART_PAUSE)
         raise AssertionError("unreachable")
 
     def stop(self) -> None:
