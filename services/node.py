@@ -43,7 +43,7 @@ from ringq import tracing
 from ringq.internal.v1 import peer_pb2, peer_pb2_grpc
 from ringq.keepalive import SERVER_KEEPALIVE
 from ringq.v1 import admin_pb2, group_pb2, group_pb2_grpc, queue_pb2, queue_pb2_grpc, stream_pb2, stream_pb2_grpc
-from services import config, telemetry
+from services import config, memory_report, telemetry
 from services import tls as tls_flags
 from services.access import DEFAULT_VHOST, Operation
 from services.access_guard import OPEN, AccessGuard
@@ -831,6 +831,7 @@ async def _serve(
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    memory_report.install(loop)
     await stop.wait()
     becoming_ready.cancel()
     await health.shutting_down()  # first: probes and load balancers stop sending clients here

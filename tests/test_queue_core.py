@@ -333,3 +333,23 @@ def test_a_mirror_announces_itself_synchronised_only_once_it_knows_its_member_id
     assert mirror.apply(Depth(0)) == [] and not mirror.synchronised
     mirror.member = "m1"
     assert mirror.apply(Depth(0)) == [Synchronised("m1")] and mirror.synchronised
+
+
+def test_a_mirror_keeps_no_trace_of_messages_that_passed_through() -> None:
+    """A mirror applies enqueues, deliveries and acknowledgements but never asks for its head, which is
+    what pruned the ready heap: it kept every id it ever made ready (the per-message growth of mirrors
+    in issue 13: 32 bytes per message passed through, never given back)."""
+    from services.queue.contents import HEAP_SLACK, QueueContents
+    from services.queue.ops import Deliver, Enqueue, Message, Settle
+
+    contents = QueueContents()
+    depth = 1000
+    for message_id in range(1, 200_001):
+        contents.apply(Enqueue(Message(message_id, b"x", "p", message_id)))
+        if message_id > depth:  # a steady depth: the oldest goes out as each new one comes in
+            done = message_id - depth
+            contents.apply(Deliver((done,)))
+            contents.apply(Settle((done,)))
+    assert contents.depth == depth
+    assert len(contents._ready_heap) <= 2 * depth + HEAP_SLACK + 1
+    assert contents.head() is not None and contents.head().id == 200_001 - depth  # type: ignore[union-attr]

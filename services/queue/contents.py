@@ -42,6 +42,9 @@ from services.queue.ops import (
     Transaction,
 )
 
+# How many stale ids the ready heap may hold beyond twice the live ones before it is rebuilt.
+HEAP_SLACK = 1024
+
 
 class PublisherSeqs:
     """The sequence numbers seen from one publisher: all up to `through`, and `above` it."""
@@ -222,7 +225,13 @@ class QueueContents:
 
     def _make_ready(self, message_id: int) -> None:
         self._ready.add(message_id)
-        heapq.heappush(self._ready_heap, message_id)
+        heap = self._ready_heap
+        heapq.heappush(heap, message_id)
+        # Ids leave `_ready` without leaving the heap (it is pruned lazily, from its top, by `head`); a
+        # mirror never asks for its head, so its heap kept every id it ever made ready (32 bytes each: 20
+        # MiB per 625,000 messages passed through). Rebuilt once stale ids outnumber live ones.
+        if len(heap) > 2 * len(self._ready) + HEAP_SLACK:
+            self._ready_heap = sorted(self._ready)  # a sorted list is a heap
 
     def _remove(self, ids: Iterable[int]) -> None:
         for message_id in ids:
