@@ -211,14 +211,15 @@ class Connection:
     def ref(self, queue: str) -> queue_pb2.QueueRef:
         return queue_pb2.QueueRef(vhost=self.vhost, queue=queue)
 
-    async def call(self, method: str, request: Any) -> Any:
-        """A unary QueueService call, retried on other nodes while the cluster is in transition; a
-        RingqError if it fails."""
+    async def call(self, method: str, request: Any, stub: Callable[[], Any] | None = None) -> Any:
+        """A unary QueueService call (or one of the service `stub()` makes, for the current node), retried on
+        other nodes while the cluster is in transition; a RingqError if it fails."""
         await self.nodes.reach()
+        make_stub = stub or self.stub
         try:
             async for attempt in self.retrying():
                 with attempt:
-                    response = await getattr(self.stub(), method)(request, timeout=self.call_timeout)
+                    response = await getattr(make_stub(), method)(request, timeout=self.call_timeout)
                     self.nodes.answered(self.address)
                     return response
         except grpc.aio.AioRpcError as error:

@@ -164,16 +164,7 @@ def ref(connection: Connection, stream: str) -> stream_pb2.StreamRef:
 
 async def call(connection: Connection, method: str, request: Any) -> Any:
     """A unary StreamService call, retried on other nodes while the cluster is in transition."""
-    await connection.reach()
-    try:
-        async for attempt in connection.retrying():
-            with attempt:
-                response = await getattr(stub(connection), method)(request, timeout=connection.call_timeout)
-                connection.nodes.answered(connection.address)
-                return response
-    except grpc.aio.AioRpcError as error:
-        raise connection.error(error) from None
-    raise AssertionError("unreachable")
+    return await connection.call(method, request, stub=lambda: stub(connection))
 
 
 class _Lease:
