@@ -249,13 +249,8 @@ async def _drained(
     if master is None or master.contents.depth:
         return False
     vhost = key[0]
-    try:
-        record = (
-            await shell.coordinator.call(
-                lambda stub: stub.GetStreamRecord, coordinator_pb2.GetStreamRecordRequest(vhost=vhost, name=name)
-            )
-        ).stream
-    except grpc.aio.AioRpcError:
+    record = await shell.read_record(vhost, name)
+    if record is None:
         return False
     if not record.consume_list or record.consume_list[0] != group:
         return group not in record.consume_list  # drained already (by an earlier reader)

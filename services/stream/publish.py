@@ -263,12 +263,10 @@ async def _append(
 
     async def follow_send_list() -> None:
         """Note when the group stops being the send list's head (struck, even if whole again since)."""
-        request = coordinator_pb2.GetStreamRecordRequest(vhost=vhost, name=name)
         while True:
             await asyncio.sleep(SEND_LIST_CHECK_S)
-            try:
-                record = (await shell.coordinator.call(lambda stub: stub.GetStreamRecord, request)).stream
-            except grpc.aio.AioRpcError:
+            record = await shell.read_record(vhost, name)
+            if record is None:
                 continue
             if not record.send_list or record.send_list[0] != group or record.generations.get(group) != generation:
                 left_send_list.set()

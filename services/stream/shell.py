@@ -126,6 +126,15 @@ class StreamShell:
         )
         return response.stream  # type: ignore[no-any-return]
 
+    async def read_record(self, vhost: str, name: str) -> coordinator_pb2.StreamRecord | None:
+        """The stream's record as the coordinator has it now; None if it cannot say (background checks:
+        they look again later)."""
+        request = coordinator_pb2.GetStreamRecordRequest(vhost=vhost, name=name)
+        try:
+            return (await self.coordinator.call(lambda stub: stub.GetStreamRecord, request)).stream
+        except grpc.aio.AioRpcError:
+            return None
+
     async def group_queue(self, vhost: str, group: str) -> QueueRecord | None:
         try:
             return await self.coordinator.get_queue(vhost, group)
