@@ -369,6 +369,11 @@ class _MasterState:
     last_persistent_seq: int = 0
     syncing: set[str] = field(default_factory=set)  # targets with a sync batch in flight
     next_depth_ms: int = 0
+    # The GM sequence number and value of the last depth report, and whether a member was born since: a
+    # depth report that would repeat the last one to the same synchronised mirrors is not sent.
+    last_depth_seq: int = 0
+    last_depth: tuple[int, int] | None = None
+    depth_owed: bool = True
     below_floor: bool = False
     persistent_changes_seen: int = 0  # the contents' counter as of the last step carried out
 
@@ -487,7 +492,8 @@ class ReplicaCore:
         times: list[int] = []
         if self.role is Role.MASTER:
             assert self.master is not None
-            times.append(self.master.next_depth_ms)
+            if not self._depth_known_to_all():
+                times.append(self.master.next_depth_ms)
             expiry = self.master.core.next_expiry_ms()
             if expiry is not None:
                 times.append(expiry)
@@ -545,6 +551,7 @@ class ReplicaCore:
             assert self.master is not None
             if births:
                 self.master.next_depth_ms = now_ms  # a newcomer learns who serves at once
+                self.master.depth_owed = True
             effects += self._strike_dead_mirrors(deaths)
             effects += self._check_floor(now_ms)
             effects += self._complete_ready(now_ms)
@@ -1015,17 +1022,38 @@ class ReplicaCore:
 
     def _depth_if_due(self, now_ms: int) -> list[Effect]:
         state = self.master
-        if state is None or now_ms < state.next_depth_ms:
+        if state is None or now_ms < state.next_depth_ms or self._depth_known_to_all():
             return []
         state.next_depth_ms = now_ms + self.timers.depth_report_interval_ms
         if len(self.live) <= 1:
             return []  # alone: nobody to tell
+        state.depth_owed = False
+        state.last_depth = self._current_depth()
+        state.last_depth_seq = self.next_seq
         if not self.replicates_messages:
             depth = Depth(0, self.epoch)  # wiring: only who serves, no messages to compare
             effects: list[Effect] = [Broadcast((depth,), self.next_seq, confirmed=False)]
             self.next_seq += 1
             return effects
         return self._carry_out(state.core.depth_report(), now_ms)
+
+    def _current_depth(self) -> tuple[int, int]:
+        assert self.master is not None
+        depth = self.master.core.contents.depth if self.replicates_messages else 0
+        return depth, self.epoch
+
+    def _depth_known_to_all(self) -> bool:
+        """True if a depth report now would tell nobody anything: the last thing this master broadcast was a
+        depth report of the same depth and epoch, no member was born since, and every other live member's
+        node is a synchronised mirror in the record (an unsynchronised one needs reports to say it is
+        synchronised at; a newcomer needs one to find its master). An idle queue then sends nothing and sets
+        no timer; its first change makes the next report due again."""
+        state = self.master
+        assert state is not None
+        if state.depth_owed or state.last_depth_seq != self.next_seq - 1 or state.last_depth != self._current_depth():
+            return False
+        synchronised = set(self.record.synchronised_mirrors)
+        return all(node_of(member) in synchronised for member in self.live if member != self.member)
 
     # ------------------------------------------------------------------- master: mirrors
 
