@@ -82,7 +82,12 @@ COORDINATOR_RETRY_SECONDS = 7 * 24 * 3600.0
 # A third of the coordinator's default liveness timeout (5 s).
 HEARTBEAT_TO_COORDINATOR_SECONDS = 1.5
 GROUP_KIND = "group"
-QUIET_CHECKS_WHILE_WATCHING = 10
+# While the group watch is up, a quiet member re-reads its group only every this many check periods (2 min
+# by default): the watch brings new views; the re-read is a fallback. Members are scanned once a second and
+# at most QUIET_READS_PER_SCAN of them re-read per scan, so 1,000 idle queues cost the coordinator little.
+QUIET_CHECKS_WHILE_WATCHING = 60
+QUIET_SCAN_SECONDS = 1.0
+QUIET_READS_PER_SCAN = 16
 # gRPC refuses a message over its limits before any handler sees it, so the
 # server's limits leave room for several payloads of the largest size: larger
 # requests get RESOURCE_EXHAUSTED from gRPC itself.
@@ -210,6 +215,7 @@ class Node:
         # By (node, address): with TLS a channel checks the name of the node it was opened for.
         self._peer_channels: dict[tuple[str, str], grpc.aio.Channel] = {}
         self._reported: set[tuple[str, str]] = set()
+        self._last_quiet_scan = float("-inf")  # when _check_quiet_members last ran
         self._impostor_noted: dict[str, float] = {}
         self._detector: asyncio.Task[None] | None = None
         self.watching_groups = False
@@ -445,28 +451,41 @@ class Node:
             self._detect_failures_once()  # a function of its own: no member outlives a pass in its locals
 
     def _detect_failures_once(self) -> None:
-        settings = self.settings
         suspects: set[tuple[str, str]] = set()
-        for member in list(self.members.values()):
-            for watched in member.watched():
-                if watched.node != self.id and self._suspicion(watched) is not None:
-                    suspects.add((member.id, watched.member))
+        troubled = self.links.troubled_peers(self.settings.failure_timeout)
+        if troubled:  # else no watched member can be suspect: the members are not scanned
+            for member in list(self.members.values()):
+                for watched in member.watched():
+                    if watched.node in troubled and watched.node != self.id and self._suspicion(watched) is not None:
+                        suspects.add((member.id, watched.member))
         self._reported &= suspects
         now = time.monotonic()
-        for member in list(self.members.values()):
-            quiet_since = max(member.last_ring_input, member.last_membership_check)
-            # The group watch tells members of new views; this check is the
-            # fallback for when it is down (or missed something).
-            check_every = settings.membership_check or settings.failure_timeout
-            quiet_for = check_every * (QUIET_CHECKS_WHILE_WATCHING if self.watching_groups else 1)
-            if member.stopped is None and member.joined.is_set() and now - quiet_since > quiet_for:
-                member.last_membership_check = now
-                member.post(lambda core: core.check_membership())
+        if now - self._last_quiet_scan >= QUIET_SCAN_SECONDS:
+            self._last_quiet_scan = now
+            self._check_quiet_members(now)
         for member_id, suspect in suspects - self._reported:
             self._reported.add((member_id, suspect))
             task = asyncio.ensure_future(self._report_after_grace(member_id, suspect))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
+
+    def _check_quiet_members(self, now: float) -> None:
+        """Have members that heard nothing from their ring for a while re-read their group. The group watch
+        tells members of new views at once (and a resync after a gap re-reads every member); this is the
+        fallback for when it is down, or missed something: every check period without the watch, and
+        QUIET_CHECKS_WHILE_WATCHING periods with it, at most QUIET_READS_PER_SCAN members per scan."""
+        settings = self.settings
+        check_every = settings.membership_check or settings.failure_timeout
+        quiet_for = check_every * (QUIET_CHECKS_WHILE_WATCHING if self.watching_groups else 1)
+        reads = 0
+        for member in list(self.members.values()):
+            quiet_since = max(member.last_ring_input, member.last_membership_check)
+            if member.stopped is None and member.joined.is_set() and now - quiet_since > quiet_for:
+                member.last_membership_check = now
+                member.post(lambda core: core.check_membership())
+                reads += 1
+                if reads >= QUIET_READS_PER_SCAN and self.watching_groups:
+                    return
 
     def _suspicion(self, watched: Watched) -> str | None:
         """Why `watched`'s node is suspected (the evidence), or None: silent for the failure

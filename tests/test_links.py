@@ -161,3 +161,28 @@ def test_a_channel_backs_off_for_at_most_a_quarter_of_the_failure_timeout() -> N
     assert dict(links.channel_options(0.6))["grpc.max_reconnect_backoff_ms"] == 150
     assert dict(links.channel_options(10.0))["grpc.max_reconnect_backoff_ms"] == links.MAX_RECONNECT_BACKOFF_MS
     assert dict(links.channel_options(0.01))["grpc.max_reconnect_backoff_ms"] == 50
+
+
+def test_troubled_peers_are_the_silent_and_the_refusing_only() -> None:
+    """The failure detector scans only members that watch a troubled peer (services/node.py), so this set
+    must hold every peer a member could suspect: one silent past the timeout, or one whose port refuses."""
+
+    async def scenario() -> None:
+        addresses: dict[str, str] = {}
+        one, two = _Node("node1", addresses), _Node("node2", addresses)
+        for node in (one, two):
+            await node.server.start()
+        try:
+            one.links.want({"node2"})
+            await _until(lambda: one.links.is_connected("node2"))
+            assert one.links.troubled_peers(silent_longer_than=1.0) == set()
+            await asyncio.sleep(0.2)  # heartbeats every 50 ms keep it heard
+            assert one.links.troubled_peers(silent_longer_than=1.0) == set()
+            assert one.links.troubled_peers(silent_longer_than=-1.0) == {"node2"}  # silence past any bound
+            await two.close()  # node2's process is gone: the redial is refused
+            await _until(lambda: one.links.refused("node2"))
+            assert one.links.troubled_peers(silent_longer_than=3600.0) == {"node2"}
+        finally:
+            await one.close()
+
+    asyncio.run(asyncio.wait_for(scenario(), 30))

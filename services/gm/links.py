@@ -182,6 +182,16 @@ class LinkManager:
         link = self._links.get(peer)
         return link is not None and not link.active and link.refused
 
+    def troubled_peers(self, silent_longer_than: float) -> set[str]:
+        """The peers silent for more than `silent_longer_than` seconds or refusing connections: only a member
+        that watches one of them can suspect anything (a node's few links, not its many members, are scanned)."""
+        now = self.clock()
+        return {
+            peer
+            for peer, link in self._links.items()
+            if now - link.last_heard > silent_longer_than or (not link.active and link.refused)
+        }
+
     def is_idle(self, peer: str) -> bool:
         """True if nothing is waiting to be sent to `peer` (so a flush now adds no queueing)."""
         link = self._links.get(peer)

@@ -326,7 +326,10 @@ class MemberShell:
             self.neighbours = Neighbours(
                 action.left, action.left_node, action.right, action.right_node, left_since, right_since
             )
-            self.host.neighbours_changed()
+            if old is None or (old.left_node, old.right_node) != (action.left_node, action.right_node):
+                # Links are per node: the same nodes need no new ones (every view re-read says the
+                # neighbours again; recomputing the node's wanted links each time costs O(members)).
+                self.host.neighbours_changed()
         elif isinstance(action, Stopped):
             self._finish(action)
         return []
