@@ -207,6 +207,7 @@ class Node:
             self._on_reconnect,
             heartbeat_interval=settings.heartbeat_interval,
             forget_address=self.forget_address,
+            on_refused=lambda peer: self._detect_failures_once(),
             options=channel_options(settings.failure_timeout),
             dialer=dialer,
         )
@@ -465,9 +466,7 @@ class Node:
             self._check_quiet_members(now)
         for member_id, suspect in suspects - self._reported:
             self._reported.add((member_id, suspect))
-            task = asyncio.ensure_future(self._report_after_grace(member_id, suspect))
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+            self._report_down(member_id, suspect, at_once=False)
 
     def _check_quiet_members(self, now: float) -> None:
         """Have members that heard nothing from their ring for a while re-read their group. The group watch
@@ -499,12 +498,34 @@ class Node:
             return "its port refuses connections"
         return None
 
-    async def _report_after_grace(self, member_id: str, suspect: str) -> None:
-        await asyncio.sleep(self.settings.grace)
+    def _report_down(self, member_id: str, suspect: str, at_once: bool) -> None:
+        """Report `suspect` down for `member_id` if the suspicion holds: a neighbour whose port refuses
+        connections at once (its process is gone: waiting tells nothing more, and every millisecond here is
+        part of a failover), any other suspect only if it still holds after the grace."""
+        found = self._watched_by(member_id, suspect)
+        if found is not None and self.links.refused(found[1].node) and found[1].neighbour:
+            at_once = True
+        if at_once:
+            self._report_if_suspect(member_id, suspect)
+            return
+        task = asyncio.ensure_future(self._report_after_grace(member_id, suspect))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _watched_by(self, member_id: str, suspect: str) -> tuple[MemberShell, Watched] | None:
         member = self.member_by_id(member_id)
         watched = next((w for w in member.watched() if w.member == suspect), None) if member else None
-        if member is None or watched is None:
+        return None if member is None or watched is None else (member, watched)
+
+    async def _report_after_grace(self, member_id: str, suspect: str) -> None:
+        await asyncio.sleep(self.settings.grace)
+        self._report_if_suspect(member_id, suspect)
+
+    def _report_if_suspect(self, member_id: str, suspect: str) -> None:
+        found = self._watched_by(member_id, suspect)
+        if found is None:
             return
+        member, watched = found
         evidence = self._suspicion(watched)
         if evidence is not None:
             log.info("member %s: %s on %s is down (%s)", member_id, suspect, watched.node, evidence)

@@ -226,3 +226,22 @@ def test_a_cluster_that_keeps_answering_unavailable_ends_in_unavailable_naming_e
             return error
 
     asyncio.run(scenario())
+
+
+def test_a_failed_call_is_retried_every_50_ms_for_half_a_second_then_backs_off_to_a_second() -> None:
+    """A failover takes tens of milliseconds (issue 13, W3): a client that waited 50, 100, 200 ms ... after
+    its first failures found the new master late. The waits tenacity gives, attempt by attempt."""
+
+    async def waits() -> list[float]:
+        connection = aio.Connection(["127.0.0.1:1"], retry_for=60)
+        try:
+            policy = connection.retrying()
+            out = []
+            for attempt in range(1, 18):
+                state = type("State", (), {"attempt_number": attempt, "outcome": None})()
+                out.append(round(policy.wait(state), 3))
+            return out
+        finally:
+            await connection.close()
+
+    assert asyncio.run(waits()) == [0.05] * 10 + [0.1, 0.2, 0.4, 0.8, 1.0, 1.0, 1.0]

@@ -126,6 +126,7 @@ class LinkManager:
         heartbeat_interval: float = 0.25,
         clock: Callable[[], float] = time.monotonic,
         forget_address: Callable[[str], None] | None = None,
+        on_refused: Callable[[str], None] | None = None,
         reassembly_budget: ReassemblyBudget | None = None,
         options: list[tuple[str, int]] | None = None,
         dialer: Dialer = PLAINTEXT,
@@ -140,6 +141,9 @@ class LinkManager:
         self.address_of = address_of
         # Called when a peer refuses at the address we knew: it may have restarted on another port.
         self.forget_address = forget_address
+        # Called when a broken link's redial finds nothing listening (see `refused`): the failure detector
+        # looks at once instead of at its next pass.
+        self.on_refused = on_refused
         self.on_ring_message = on_ring_message
         self.on_reconnect = on_reconnect
         self.heartbeat_interval = heartbeat_interval
@@ -255,7 +259,9 @@ class LinkManager:
                             self.forget_address(link.peer)
                             address_checked = True
                             continue
-                        link.refused = link.streams > 0 and refused
+                        was_refused, link.refused = link.refused, link.streams > 0 and refused
+                        if link.refused and not was_refused and self.on_refused is not None:
+                            self.on_refused(link.peer)
                     except (TimeoutError, ConnectionError, FragmentError) as error:
                         last = repr(error)
                         log.debug("link to %s: %s", link.peer, error)
