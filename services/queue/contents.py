@@ -44,6 +44,9 @@ from services.queue.ops import (
 
 # How many stale ids the ready heap may hold beyond twice the live ones before it is rebuilt.
 HEAP_SLACK = 1024
+# Python's dicts and sets never shrink as items leave: below a quarter of their peak size (and above this
+# many at the peak) they are rebuilt, so a drained queue gives its memory back.
+COMPACT_FROM = 4096
 
 
 class PublisherSeqs:
@@ -75,9 +78,11 @@ class QueueContents:
 
     def __init__(self) -> None:
         self.messages: dict[int, Message] = {}
+        # Ready ids are the messages not pending acknowledgement (no set of their own: it cost about 60
+        # bytes per queued message); the heap orders them and may hold stale ids (see `_prune_stale_heap`).
         self._ready_heap: list[int] = []
-        self._ready: set[int] = set()
         self.unacked: set[int] = set()
+        self._peak = 0  # len(messages) at its highest since the tables were last rebuilt
         self.publishers: dict[str, PublisherSeqs] = {}
         self.max_id = 0
         # The id of the first message this replica received by Enqueue: older
@@ -95,23 +100,30 @@ class QueueContents:
 
     def __len__(self) -> int:
         """Ready messages."""
-        return len(self._ready)
+        return len(self.messages) - len(self.unacked)
 
     @property
     def depth(self) -> int:
         """Ready plus pending acknowledgement (RabbitMQ's depth)."""
-        return len(self._ready) + len(self.unacked)
+        return len(self.messages)
+
+    def is_ready(self, message_id: int) -> bool:
+        return message_id in self.messages and message_id not in self.unacked
 
     def head(self) -> Message | None:
         """The next ready message, without taking it."""
         heap = self._ready_heap
-        while heap and heap[0] not in self._ready:
+        while heap and not self.is_ready(heap[0]):
             heapq.heappop(heap)
         return self.messages[heap[0]] if heap else None
 
     def ready_ids(self) -> Iterator[int]:
         """Ready ids, in delivery order."""
-        return iter(sorted(self._ready))
+        return iter(sorted(self._live_ready()))
+
+    def _live_ready(self) -> list[int]:
+        unacked = self.unacked
+        return [message_id for message_id in self.messages if message_id not in unacked]
 
     def held_ranges(self, below_id: int, max_ranges: int) -> tuple[int, ...]:
         """The ids below `below_id` (0: every id) held here, as inclusive ranges flattened
@@ -142,8 +154,7 @@ class QueueContents:
                 self.first_enqueued_id = report.message.id
         elif isinstance(report, Deliver):
             for message_id in report.ids:
-                if message_id in self._ready:
-                    self._ready.discard(message_id)
+                if self.is_ready(message_id):
                     self.unacked.add(message_id)
                     self.messages[message_id].delivery_count += 1
         elif isinstance(report, Settle | Discard):
@@ -200,14 +211,15 @@ class QueueContents:
                 self.unacked.discard(message_id)
                 self._make_ready(message_id)
         for message_id in unacked_ids:
-            if message_id in self._ready:
-                self._ready.discard(message_id)
+            if self.is_ready(message_id):
                 self.unacked.add(message_id)
 
     def _add(self, message: Message, ready: bool) -> None:
         if message.id in self.messages:
             return
         self.messages[message.id] = message
+        if len(self.messages) > self._peak:
+            self._peak = len(self.messages)
         self.bytes += len(message.body)
         if message.persistent:
             self.persistent_changes += 1
@@ -224,22 +236,35 @@ class QueueContents:
             self.unacked.add(message.id)
 
     def _make_ready(self, message_id: int) -> None:
-        self._ready.add(message_id)
-        heap = self._ready_heap
-        heapq.heappush(heap, message_id)
-        # Ids leave `_ready` without leaving the heap (it is pruned lazily, from its top, by `head`); a
-        # mirror never asks for its head, so its heap kept every id it ever made ready (32 bytes each: 20
-        # MiB per 625,000 messages passed through). Rebuilt once stale ids outnumber live ones.
-        if len(heap) > 2 * len(self._ready) + HEAP_SLACK:
-            self._ready_heap = sorted(self._ready)  # a sorted list is a heap
+        heapq.heappush(self._ready_heap, message_id)
+        self._prune_stale_heap()
+
+    def _prune_stale_heap(self) -> None:
+        """Ids stop being ready without leaving the heap (it is pruned lazily, from its top, by `head`); a
+        mirror never asks for its head, so its heap kept every id it ever made ready (32 bytes each: 20
+        MiB per 625,000 messages passed through). Rebuilt once stale ids outnumber live ones."""
+        if len(self._ready_heap) > 2 * len(self) + HEAP_SLACK:
+            self._ready_heap = sorted(self._live_ready())  # a sorted list is a heap
 
     def _remove(self, ids: Iterable[int]) -> None:
+        removed = False
         for message_id in ids:
             message = self.messages.pop(message_id, None)
             if message is None:
                 continue
+            removed = True
             self.bytes -= message.size
             if message.persistent:
                 self.persistent_changes += 1
-            self._ready.discard(message_id)
             self.unacked.discard(message_id)
+        if removed:
+            self._prune_stale_heap()
+            self._compact_if_sparse()
+
+    def _compact_if_sparse(self) -> None:
+        """Rebuild the tables once they hold under a quarter of their peak: the memory of a drained queue
+        goes back to the allocator (and most of it to the OS) instead of staying sized for its peak."""
+        if self._peak >= COMPACT_FROM and len(self.messages) * 4 < self._peak:
+            self.messages = dict(self.messages)
+            self.unacked = set(self.unacked)
+            self._peak = len(self.messages)

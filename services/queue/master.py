@@ -29,6 +29,7 @@ from typing import Any
 
 from services.queue.contents import QueueContents
 from services.queue.ops import (
+    NO_HEADERS,
     PLAIN_CHANGE_TYPES,
     Deliver,
     Depth,
@@ -213,7 +214,7 @@ class QueueMaster:
             publisher=item.publisher,
             publisher_seq=item.seq,
             persistent=item.persistent,
-            headers=dict(item.headers) if item.headers else {},
+            headers=dict(item.headers) if item.headers else NO_HEADERS,
             priority=item.priority,
             enqueued_at_ms=now_ms,
             expires_at_ms=min(expiries) if expiries else 0,
