@@ -53,3 +53,25 @@ def test_malformed_bytes_are_refused() -> None:
         wire.decode(b"\xff\xff\xff")
     with pytest.raises(ValueError, match="without a kind"):
         wire.decode(b"")
+
+
+def test_an_enqueue_survives_encoding_with_every_field_at_its_default_or_set() -> None:
+    """The enqueue encoder sets only what differs from the defaults (services/queue/wire.py)."""
+    from services.queue.ops import Enqueue, Message
+
+    plain = Message(1, b"")
+    full = Message(
+        2**40,
+        b"body",
+        "publisher",
+        7,
+        persistent=True,
+        headers={"k": "v"},
+        priority=9,
+        enqueued_at_ms=1_700_000_000_000,
+        expires_at_ms=1_700_000_060_000,
+        delivery_count=3,
+    )
+    seq_only = Message(3, b"x", publisher_seq=5)
+    for message in (plain, full, seq_only):
+        assert wire.decode(wire.encode(Enqueue(message))) == Enqueue(message)

@@ -84,9 +84,34 @@ def message_from_proto(m: pb.ReplicatedMessage) -> Message:
     )
 
 
+def _encode_enqueue(message: Message) -> bytes:
+    """The hot path, one per published message: the fields are set in place, only those that differ from
+    their defaults (building a ReplicatedMessage and copying it into the report took half as long again)."""
+    out = pb.QueueReport()
+    enqueue = out.enqueue
+    enqueue.id = message.id
+    enqueue.body = message.body
+    if message.publisher:
+        enqueue.publisher = message.publisher
+    if message.publisher_seq:
+        enqueue.publisher_seq = message.publisher_seq
+    if message.persistent:
+        enqueue.persistent = True
+    if message.headers:
+        enqueue.headers.update(message.headers)
+    if message.priority:
+        enqueue.priority = message.priority
+    enqueue.enqueued_at_ms = message.enqueued_at_ms
+    if message.expires_at_ms:
+        enqueue.expires_at_ms = message.expires_at_ms
+    if message.delivery_count:
+        enqueue.delivery_count = message.delivery_count
+    return out.SerializeToString()
+
+
 def encode(report: AnyReport) -> bytes:
-    if isinstance(report, Enqueue):  # the hot path: one per published message
-        return pb.QueueReport(enqueue=message_to_proto(report.message)).SerializeToString()
+    if isinstance(report, Enqueue):
+        return _encode_enqueue(report.message)
     out = pb.QueueReport()
     if isinstance(report, Deliver):
         out.deliver.ids.extend(report.ids)
