@@ -133,7 +133,7 @@ demo: setup
 demo-ring: setup
 	$(PY) -m services.demo_ring
 
-bench: setup setup-rabbitmq
+bench: setup setup-rabbitmq setup-nats
 	$(PY) -m bench.bench_queues --write docs/benchmarks.md
 
 bench-tracing: setup

@@ -1,11 +1,19 @@
-"""`make bench`: ringq mirrored queues against RabbitMQ classic mirrored queues, in one run, side by side.
+"""`make bench`: ringq mirrored queues against RabbitMQ classic mirrored queues and NATS JetStream R3, in one run.
 
-Runs the workloads of ARCHITECTURE section 10 (W1, W2, W2 at a fixed rate, W3) first against a 3-node
-ringq cluster (bench/ringq_workloads.py) and then against a 3-node RabbitMQ cluster
-(bench/reference), with the same method and the same result record; prints both with their ratios and
-the goals of issue 4, and with `--write` puts the section "Mirrored queues vs RabbitMQ (`make bench`)"
-into a Markdown file (the file's other sections are kept). Every process either side starts listens on
-127.0.0.1 only and is stopped at the end, also on Ctrl-C or SIGTERM.
+Runs the workloads of ARCHITECTURE section 10 with one method for every system (bench/reference/
+rabbitmq_workloads.py; the clients configured as their users would for throughput, bench/ack_batching.py):
+- ringq: a 3-node cluster with default settings (bench/ringq_workloads.py): W1, W2 (batched acks), W2 with
+  one ack per message, W2 at a fixed rate, W3 (a SIGKILL of the master);
+- RabbitMQ: a 3-node cluster of classic mirrored queues (bench/reference): the same five;
+- NATS JetStream: a 3-server cluster, streams with 3 replicas, memory storage and then file storage, each
+  its own system (bench/nats_workloads.py): W1, W2 and W2 at the fixed rate.
+Each run of a system starts its cluster afresh, runs its workloads and stops it; the systems take turns
+(run 1 of ringq, RabbitMQ, NATS memory, NATS file, then run 2 of each, ...), `--runs` times (3), and each
+figure is reported as the median with the min and max over the runs, the brokers' CPU with it. Prints the
+table and the goals of issue 13; with `--write`, puts the section "Mirrored queues vs RabbitMQ and NATS
+JetStream (`make bench`)" into a Markdown file (the file's other sections are kept). A system whose server
+is not installed is left out and its column says why. Every process any side starts listens on 127.0.0.1
+only and is stopped at the end, also on Ctrl-C or SIGTERM.
 """
 
 from __future__ import annotations
@@ -17,144 +25,300 @@ import signal
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field
+from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from bench import nats_cluster, nats_workloads
+from bench.ack_batching import BATCHED, EACH
 from bench.bench_gm import machine
-from bench.reference.rabbitmq_cluster import SETUP_HINT, unavailable_reason
-from bench.reference.rabbitmq_workloads import FIXED_RATE, WORKLOADS, ReferenceReport, WorkloadResult, run_reference
-from bench.ringq_workloads import RingqReport, run_ringq
+from bench.reference import rabbitmq_cluster
+from bench.reference.rabbitmq_workloads import (
+    FIXED_RATE,
+    WORKLOADS,
+    Durations,
+    WorkloadResult,
+    run_reference,
+    workload_name,
+)
+from bench.ringq_workloads import run_ringq
+from bench.stream_metrics import Spread, spread
 
-SECTION_TITLE = "## Mirrored queues vs RabbitMQ (`make bench`)"
-# The goals of issue 4.
-W1_MIN_RATIO = 5.0
-W2_MIN_RATIO = 3.0
-W3_MAX_GAP_S = 0.5
-W2_RATE_MAX_P99_MS = 2.0
+SECTION_TITLE = "## Mirrored queues vs RabbitMQ and NATS JetStream (`make bench`)"
+OLD_TITLES = ("## Mirrored queues vs RabbitMQ (`make bench`)",)  # replaced by this section too
+SYSTEMS = ("ringq", "rabbitmq", "nats-memory", "nats-file")
+LABELS = {
+    "ringq": "ringq",
+    "rabbitmq": "RabbitMQ mirrored",
+    "nats-memory": "NATS R3 memory",
+    "nats-file": "NATS R3 file",
+}
+SYSTEM_WORKLOADS = {
+    "ringq": WORKLOADS,
+    "rabbitmq": WORKLOADS,
+    "nats-memory": nats_workloads.WORKLOADS,
+    "nats-file": nats_workloads.WORKLOADS,
+}
+SETUP_TARGETS = {"rabbitmq": "make setup-rabbitmq", "nats-memory": "make setup-nats", "nats-file": "make setup-nats"}
+# The goals of issue 13.
+W1_MIN_VS_NATS = 1.0
+W1_MIN_VS_RABBITMQ = 5.0
+W2_MIN_VS_RABBITMQ = 3.0
+W2_RATE_MAX_P50_MS = 1.5
+W2_RATE_MAX_P99_MS = 3.0
+CPU_MAX_VS_NATS = 1.0
 
 
-# --- comparing ---------------------------------------------------------------------------------------
+# --- one run of one system ---------------------------------------------------------------------------
 
 
 @dataclass
+class SystemRun:
+    """One run of one system: its cluster started, its workloads run, its cluster stopped."""
+
+    system: str
+    run: int
+    version: str = ""
+    setup: str = ""
+    results: dict[str, WorkloadResult] = field(default_factory=dict)  # by workload key ("w1", ...)
+    error: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def unavailable_reason(system: str) -> str | None:
+    """Why `system` cannot run here (its server is not installed), or None."""
+    if system == "rabbitmq":
+        problem = rabbitmq_cluster.unavailable_reason()
+    elif system.startswith("nats-"):
+        problem = nats_cluster.unavailable_reason()
+    else:
+        return None
+    return None if problem is None else f"{problem}: run {SETUP_TARGETS[system]}"
+
+
+def _keyed(results: Sequence[WorkloadResult], keys: Sequence[str], rate: float) -> dict[str, WorkloadResult]:
+    names = {workload_name(key, rate): key for key in keys}
+    return {names[r.name]: r for r in results}
+
+
+def run_system(
+    system: str,
+    run: int,
+    durations: Durations,
+    only: Sequence[str],
+    rate: float,
+    progress: Callable[[str], None],
+    stop_requested: Callable[[], bool],
+) -> SystemRun:
+    """Start `system`'s cluster, run the workloads of `only` it has, stop the cluster."""
+    chosen = [key for key in SYSTEM_WORKLOADS[system] if key in only]
+    if system == "ringq":
+        ringq = run_ringq(durations=durations, only=chosen, rate=rate, progress=progress, stop_requested=stop_requested)
+        version, setup, results = f"ringq {ringq.version} ({ringq.commit})", ringq.setup, ringq.results
+    elif system == "rabbitmq":
+        reference = run_reference(durations=durations, only=chosen, rate=rate, progress=progress)
+        version, setup, results = reference.version, reference.setup, reference.results
+    else:
+        storage = system.removeprefix("nats-")
+        nats = nats_workloads.run_nats(
+            storage, durations=durations, only=chosen, rate=rate, progress=progress, stop_requested=stop_requested
+        )
+        version, setup, results = f"NATS server {nats.version}", nats.setup, nats.results
+    return SystemRun(system, run, version, setup, _keyed(results, chosen, rate))
+
+
+# --- figures over the runs (pure) --------------------------------------------------------------------
+
+
+Runs = Sequence[SystemRun]
+
+
+def figure(runs: Runs, system: str, key: str, attribute: str) -> Spread:
+    """The median, min and max of one figure of one workload over `system`'s runs that measured it."""
+    values = []
+    for r in runs:
+        result = r.results.get(key) if r.system == system else None
+        if result is not None:
+            values.append(getattr(result, attribute))
+    return spread(values)
+
+
+@dataclass(frozen=True)
 class Row:
-    """One measured figure of one workload, both sides."""
-
-    workload: str
-    metric: str
-    ringq: float | int | None
-    reference: float | int | None
+    label: str
+    key: str
+    attribute: str
     fmt: str
-    ratio: bool = True  # print ringq / RabbitMQ
-
-    def cells(self) -> tuple[str, str, str, str, str]:
-        ratio = "-"
-        if self.ratio and self.ringq is not None and self.reference:
-            ratio = f"{self.ringq / self.reference:.2f}x"
-        return self.workload, self.metric, _fmt(self.ringq, self.fmt), _fmt(self.reference, self.fmt), ratio
 
 
-@dataclass
+def table_rows(rate: float) -> list[Row]:
+    fixed = f"W2 at {rate:,.0f} msgs/s"
+    return [
+        Row("W1 confirmed msgs/s", "w1", "rate", ",.0f"),
+        Row("W1 brokers CPU, cores", "w1", "broker_cores", ".2f"),
+        Row("W2 delivered msgs/s (batched acks)", "w2", "rate", ",.0f"),
+        Row("W2 latency p50 ms", "w2", "p50_ms", ",.1f"),
+        Row("W2 latency p99 ms", "w2", "p99_ms", ",.1f"),
+        Row("W2 brokers CPU, cores", "w2", "broker_cores", ".2f"),
+        Row("W2 one ack per message: delivered msgs/s", "w2each", "rate", ",.0f"),
+        Row("W2 one ack per message: p50 ms", "w2each", "p50_ms", ",.1f"),
+        Row("W2 one ack per message: p99 ms", "w2each", "p99_ms", ",.1f"),
+        Row("W2 one ack per message: brokers CPU, cores", "w2each", "broker_cores", ".2f"),
+        Row(f"{fixed}: delivered msgs/s", "w2rate", "rate", ",.0f"),
+        Row(f"{fixed}: p50 ms", "w2rate", "p50_ms", ",.2f"),
+        Row(f"{fixed}: p99 ms", "w2rate", "p99_ms", ",.2f"),
+        Row(f"{fixed}: brokers CPU, cores", "w2rate", "broker_cores", ".2f"),
+        Row("W3 (SIGKILL of the master) gap s", "w3", "gap_s", ",.2f"),
+        Row("W3 lost", "w3", "lost", ",.0f"),
+        Row("W3 duplicates", "w3", "duplicates", ",.0f"),
+        Row("W3 surviving brokers' CPU after the kill, cores", "w3", "broker_cores", ".2f"),
+    ]
+
+
+def cell(runs: Runs, system: str, row: Row, missing: dict[str, str]) -> str:
+    if system in missing:
+        return missing[system]
+    if row.key not in SYSTEM_WORKLOADS[system]:
+        return "n/a"
+    return figure(runs, system, row.key, row.attribute).text(row.fmt)
+
+
+def figures_table(
+    runs: Runs, systems: Sequence[str], workloads: Sequence[str], rate: float, missing: dict[str, str]
+) -> tuple[list[str], list[list[str]], list[bool]]:
+    """The per-system table: a row per figure of `workloads`, a column per system (median (min-max) over the
+    runs); a system in `missing` has why in each of its cells."""
+    header = ["figure", *(LABELS[s] for s in systems)]
+    rows = []
+    for row in table_rows(rate):
+        if row.key in workloads:
+            rows.append([row.label, *(cell(runs, s, row, missing) for s in systems)])
+    return header, rows, [False, *(True for _ in systems)]
+
+
+def cpu_per_run_table(runs: Runs, systems: Sequence[str], rate: float) -> tuple[list[str], list[list[str]], list[bool]]:
+    """The brokers' CPU (cores) of every run, in run order, a row per workload and a column per system."""
+    header = ["workload", *(LABELS[s] for s in systems)]
+    rows = []
+    for key in WORKLOADS:
+        cells = []
+        for system in systems:
+            values = [r.results[key].broker_cores for r in runs if r.system == system and key in r.results]
+            cells.append(" / ".join("-" if v is None else f"{v:.2f}" for v in values) or "-")
+        if any(c != "-" for c in cells):
+            rows.append([workload_name(key, rate), *cells])
+    return header, rows, [False, *(True for _ in systems)]
+
+
+# --- the goals (pure) --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
 class Goal:
     name: str
     target: str
     measured: str
     met: bool | None  # None: not measured in this run
+    shortfall: str = ""  # when missed: by how much (the measured ratio)
 
     @property
     def verdict(self) -> str:
-        return "n/a" if self.met is None else ("met" if self.met else "missed")
+        if self.met is None:
+            return "not measured"
+        return "met" if self.met else f"missed: {self.shortfall}"
 
 
-def _fmt(value: float | int | None, fmt: str) -> str:
-    return "-" if value is None else format(value, fmt)
+def _ratio(ours: Spread, theirs: Spread) -> float | None:
+    if ours.median is None or not theirs.median:
+        return None
+    return ours.median / theirs.median
 
 
-def _by_name(results: Sequence[WorkloadResult]) -> dict[str, WorkloadResult]:
-    return {r.name: r for r in results}
+def _at_least(name: str, runs: Runs, key: str, other: str, minimum: float, unit: str) -> Goal:
+    """ringq's median rate of `key` against `other`'s: at least `minimum` times it."""
+    target = f">= {minimum:g}x {LABELS[other]}"
+    ours, theirs = figure(runs, "ringq", key, "rate"), figure(runs, other, key, "rate")
+    ratio = _ratio(ours, theirs)
+    if ratio is None:
+        return Goal(name, target, "not measured", None)
+    measured = f"{ratio:.2f}x ({ours.text(',.0f')} vs {theirs.text(',.0f')} {unit})"
+    return Goal(name, target, measured, ratio >= minimum, f"{ratio:.2f}x")
 
 
-def compare(ringq: Sequence[WorkloadResult], reference: Sequence[WorkloadResult], rate: float) -> list[Row]:
-    """The side-by-side rows: throughput, latency, gap, lost, duplicates per workload."""
-    ours, theirs = _by_name(ringq), _by_name(reference)
-    rows: list[Row] = []
-    w2rate, w3 = f"W2@{rate:g}/s", f"W3@{rate:g}/s"
-    specs: list[tuple[str, str, str, str, bool]] = [
-        ("W1", "confirmed msgs/s", "rate", ",.0f", True),
-        ("W2", "delivered msgs/s", "rate", ",.0f", True),
-        ("W2", "latency p50 ms", "p50_ms", ",.2f", True),
-        ("W2", "latency p99 ms", "p99_ms", ",.2f", True),
-        (w2rate, "delivered msgs/s", "rate", ",.0f", True),
-        (w2rate, "latency p50 ms", "p50_ms", ",.2f", True),
-        (w2rate, "latency p99 ms", "p99_ms", ",.2f", True),
-        (w3, "gap s", "gap_s", ",.2f", True),
-        (w3, "lost", "lost", ",d", False),
-        (w3, "duplicates", "duplicates", ",d", False),
+def goals(runs: Runs, rate: float) -> list[Goal]:
+    """Issue 13's goals, each met, missed (with by how much) or not measured, from the medians of the runs."""
+    out = [
+        _at_least("W1 throughput vs NATS", runs, "w1", "nats-memory", W1_MIN_VS_NATS, "msgs/s"),
+        _at_least("W1 throughput vs RabbitMQ", runs, "w1", "rabbitmq", W1_MIN_VS_RABBITMQ, "msgs/s"),
     ]
-    for workload, metric, attribute, fmt, ratio in specs:
-        mine, other = ours.get(workload), theirs.get(workload)
-        if mine is None and other is None:
-            continue
-        rows.append(
-            Row(
-                workload,
-                metric,
-                getattr(mine, attribute) if mine is not None else None,
-                getattr(other, attribute) if other is not None else None,
-                fmt,
-                ratio,
-            )
+
+    w2 = _at_least("W2 throughput and p99 vs RabbitMQ", runs, "w2", "rabbitmq", W2_MIN_VS_RABBITMQ, "msgs/s")
+    p99, p99_ref = figure(runs, "ringq", "w2", "p99_ms"), figure(runs, "rabbitmq", "w2", "p99_ms")
+    p99_ratio = _ratio(p99, p99_ref)
+    target = f"{w2.target}, p99 no worse (batched acks)"
+    if w2.met is None or p99_ratio is None:
+        out.append(Goal(w2.name, target, "not measured", None))
+    else:
+        measured = f"{w2.measured}; p99 {p99.text(',.1f')} vs {p99_ref.text(',.1f')} ms ({p99_ratio:.2f}x)"
+        shortfalls = [f"{w2.shortfall} the rate"] if not w2.met else []
+        if p99_ratio > 1:
+            shortfalls.append(f"p99 {p99_ratio:.2f}x RabbitMQ's")
+        out.append(Goal(w2.name, target, measured, not shortfalls, ", ".join(shortfalls)))
+
+    name = f"W2 at {rate:,.0f} msgs/s latency"
+    target = f"p50 < {W2_RATE_MAX_P50_MS:g} ms, p99 < {W2_RATE_MAX_P99_MS:g} ms"
+    p50, p99 = figure(runs, "ringq", "w2rate", "p50_ms"), figure(runs, "ringq", "w2rate", "p99_ms")
+    if p50.median is None or p99.median is None:
+        out.append(Goal(name, target, "not measured", None))
+    else:
+        shortfalls = []
+        if p50.median >= W2_RATE_MAX_P50_MS:
+            shortfalls.append(f"p50 {p50.median / W2_RATE_MAX_P50_MS:.2f}x the limit")
+        if p99.median >= W2_RATE_MAX_P99_MS:
+            shortfalls.append(f"p99 {p99.median / W2_RATE_MAX_P99_MS:.2f}x the limit")
+        measured = f"p50 {p50.text(',.2f')} ms, p99 {p99.text(',.2f')} ms"
+        out.append(Goal(name, target, measured, not shortfalls, ", ".join(shortfalls)))
+
+    name = f"Brokers' CPU at {rate:,.0f} msgs/s"
+    target = f"<= {CPU_MAX_VS_NATS:g}x {LABELS['nats-memory']}'s"
+    ours, theirs = (
+        figure(runs, "ringq", "w2rate", "broker_cores"),
+        figure(runs, "nats-memory", "w2rate", "broker_cores"),
+    )
+    ratio = _ratio(ours, theirs)
+    if ratio is None:
+        out.append(Goal(name, target, "not measured", None))
+    else:
+        measured = f"{ratio:.2f}x ({ours.text('.2f')} vs {theirs.text('.2f')} cores)"
+        out.append(Goal(name, target, measured, ratio <= CPU_MAX_VS_NATS, f"{ratio:.2f}x"))
+
+    name = "W3 master SIGKILL"
+    target = "gap <= RabbitMQ's, 0 lost, 0 duplicates (every run)"
+    gap, gap_ref = figure(runs, "ringq", "w3", "gap_s"), figure(runs, "rabbitmq", "w3", "gap_s")
+    lost, duplicates = figure(runs, "ringq", "w3", "lost"), figure(runs, "ringq", "w3", "duplicates")
+    ratio = _ratio(gap, gap_ref)
+    if ratio is None or lost.high is None or duplicates.high is None:
+        out.append(Goal(name, target, "not measured", None))
+    else:
+        measured = (
+            f"gap {gap.text(',.2f')} vs {gap_ref.text(',.2f')} s ({ratio:.2f}x); lost {lost.high:.0f}, "
+            f"duplicates {duplicates.high:.0f} at most"
         )
-    return rows
-
-
-def goals(ringq: Sequence[WorkloadResult], reference: Sequence[WorkloadResult] | None, rate: float) -> list[Goal]:
-    """Issue 4's goals, each met, missed or not measured (None)."""
-    ours, theirs = _by_name(ringq), _by_name(reference or [])
-    out: list[Goal] = []
-
-    w1, w1_ref = ours.get("W1"), theirs.get("W1")
-    if w1 is not None and w1.rate is not None and w1_ref is not None and w1_ref.rate:
-        ratio = w1.rate / w1_ref.rate
-        out.append(Goal("W1 throughput", f">= {W1_MIN_RATIO:g}x RabbitMQ", f"{ratio:.2f}x", ratio >= W1_MIN_RATIO))
-    else:
-        out.append(Goal("W1 throughput", f">= {W1_MIN_RATIO:g}x RabbitMQ", "not measured", None))
-
-    w2, w2_ref = ours.get("W2"), theirs.get("W2")
-    target = f">= {W2_MIN_RATIO:g}x RabbitMQ, p99 no worse"
-    if w2 is not None and w2_ref is not None and w2.rate is not None and w2_ref.rate:
-        ratio = w2.rate / w2_ref.rate
-        p99, p99_ref = w2.p99_ms, w2_ref.p99_ms
-        p99_ok = p99 is not None and p99_ref is not None and p99 <= p99_ref
-        measured = f"{ratio:.2f}x, p99 {_fmt(p99, ',.1f')} ms vs {_fmt(p99_ref, ',.1f')} ms"
-        out.append(Goal("W2 throughput and latency", target, measured, ratio >= W2_MIN_RATIO and p99_ok))
-    else:
-        out.append(Goal("W2 throughput and latency", target, "not measured", None))
-
-    w3 = ours.get(f"W3@{rate:g}/s")
-    target = f"gap <= {W3_MAX_GAP_S:g} s, 0 lost, 0 duplicates"
-    if w3 is not None and w3.gap_s is not None:
-        measured = f"gap {w3.gap_s:.2f} s, {w3.lost} lost, {w3.duplicates} duplicates"
-        still_queued = w3.details.get("lost_still_queued")
-        if w3.lost and isinstance(still_queued, int) and still_queued:
-            measured += f" ({still_queued} of the lost still queued, not delivered in time)"
-        met = w3.gap_s <= W3_MAX_GAP_S and w3.lost == 0 and w3.duplicates == 0
-        out.append(Goal("W3 master SIGKILL", target, measured, met))
-    else:
-        out.append(Goal("W3 master SIGKILL", target, "not measured", None))
-
-    w2rate = ours.get(f"W2@{rate:g}/s")
-    target = f"p99 < {W2_RATE_MAX_P99_MS:g} ms"
-    if w2rate is not None and w2rate.p99_ms is not None:
-        measured = f"p99 {w2rate.p99_ms:,.2f} ms"
-        out.append(Goal(f"W2@{rate:g}/s latency", target, measured, w2rate.p99_ms < W2_RATE_MAX_P99_MS))
-    else:
-        out.append(Goal(f"W2@{rate:g}/s latency", target, "not measured", None))
+        shortfalls = []
+        if ratio > 1:
+            shortfalls.append(f"gap {ratio:.2f}x RabbitMQ's")
+        if lost.high:
+            shortfalls.append(f"{lost.high:.0f} lost")
+        if duplicates.high:
+            shortfalls.append(f"{duplicates.high:.0f} duplicates")
+        out.append(Goal(name, target, measured, not shortfalls, ", ".join(shortfalls)))
     return out
 
 
-# --- printing --------------------------------------------------------------------------------------
+# --- printing ----------------------------------------------------------------------------------------
 
 
 def text_table(header: Sequence[str], rows: Sequence[Sequence[str]], right: Sequence[bool]) -> str:
@@ -172,9 +336,7 @@ def markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]], right: 
     return "\n".join(lines)
 
 
-COMPARISON_HEADER = ("workload", "metric", "ringq", "RabbitMQ", "ringq / RabbitMQ")
-COMPARISON_RIGHT = (False, False, True, True, True)
-GOALS_HEADER = ("goal (issue 4)", "target", "ringq measured", "verdict")
+GOALS_HEADER = ("goal (issue 13)", "target", "measured (medians over the runs)", "verdict")
 GOALS_RIGHT = (False, False, False, False)
 
 
@@ -182,79 +344,158 @@ def _goal_cells(goal: Goal) -> tuple[str, str, str, str]:
     return goal.name, goal.target, goal.measured, goal.verdict
 
 
-def _notes(side: str, results: Sequence[WorkloadResult]) -> list[str]:
-    return [f"- {side} {r.name}: {r.notes}" for r in results]
-
-
-# --- the Markdown section --------------------------------------------------------------------------
-
-
 @dataclass
 class Run:
+    """Everything `make bench` measured, and how."""
+
     command: str
     began: str
     seconds: float
-    load: tuple[float, float, float]
-    quick: bool
+    load_before: tuple[float, float, float]
+    load_after: tuple[float, float, float]
+    runs_per_system: int
+    durations: Durations
     rate: float
-    ringq: RingqReport
-    reference: ReferenceReport | None
+    systems: list[str]
+    workloads: list[str]
+    missing: dict[str, str]  # system -> why it did not run
+    runs: list[SystemRun]
+
+    def first(self, system: str) -> SystemRun | None:
+        """The first run of `system` that worked (for its version and setup)."""
+        return next((r for r in self.runs if r.system == system and r.error is None), None)
+
+    def columns(self) -> list[str]:
+        return [s for s in SYSTEMS if s in self.systems]
+
+    def failures(self) -> list[SystemRun]:
+        return [r for r in self.runs if r.error is not None]
+
+    def unmeasured(self) -> dict[str, str]:
+        """The systems without a figure, and why: not installed, or every run failed."""
+        failed = {s: "every run failed (see the notes)" for s in self.columns() if self.first(s) is None}
+        return {**failed, **self.missing}
+
+
+def _load(load: tuple[float, float, float]) -> str:
+    return f"{load[0]:.2f} {load[1]:.2f} {load[2]:.2f}"
+
+
+def versions(run: Run) -> str:
+    clients = f"clients: the ringq SDK, pika {metadata.version('pika')}, nats-py {metadata.version('nats-py')}"
+    seen: list[str] = []
+    for system in run.columns():
+        first = run.first(system)
+        if first is not None and first.version not in seen:
+            seen.append(first.version)
+    return "; ".join([*seen, clients])
+
+
+def method_text(run: Run) -> str:
+    d = run.durations
+    return (
+        f"Every system measured in this run with one method (bench/reference/rabbitmq_workloads.py, shared by "
+        f"bench/ringq_workloads.py and bench/nats_workloads.py), each configured as its users would for "
+        f"throughput: producer and consumer in separate processes on the master's (leader's) node, 256-byte "
+        f"transient bodies carrying a sequence number and a send timestamp, 3 replicas, confirms (NATS: "
+        f"JetStream publish acks) with at most 1000 outstanding, prefetch 1000 (NATS: a pull consumer with 1000 "
+        f"requested and max_ack_pending 1000); ringq's and RabbitMQ's consumers acknowledge through one shared "
+        f"policy (bench/ack_batching.py): {BATCHED.describe()} in W2 and W2 at the fixed rate, {EACH.describe()} "
+        f'in "W2 one ack per message" and W3 (so that a W3 duplicate is the broker\'s); a NATS consumer with '
+        f"explicit acks acknowledges each message. Only confirms and deliveries inside the measured window count "
+        f"({d.warmup_s:g} s warm-up, {d.measure_s:g} s measured); at the fixed rate, latency runs from each "
+        f"message's scheduled send time. Brokers' CPU: all of the system's server processes together (ringq: "
+        f"3 nodes and the coordinator), cores used over the measured window. W3 is W2 at the fixed rate with "
+        f"the master's node SIGKILLed {d.w3_warmup_s:g} s in ({d.w3_after_kill_s:g} s more of sending): gap = "
+        f"longest time without a delivery from 1 s before the kill, lost = confirmed but never delivered, "
+        f"duplicates = deliveries of an already delivered message. Each run of a system starts its cluster "
+        f"afresh; the systems take turns ({', '.join(LABELS[s] for s in run.columns())}, then again), "
+        f"{run.runs_per_system} runs each; a cell is the median (min-max) of the runs."
+    )
+
+
+def _notes(run: Run) -> list[str]:
+    lines = []
+    for r in run.runs:
+        label = f"run {r.run} {LABELS[r.system]}"
+        if r.error is not None:
+            lines.append(f"- {label}: FAILED: {r.error}")
+        for key in WORKLOADS:
+            if key in r.results:
+                lines.append(f"- {label} {r.results[key].name}: {r.results[key].notes}")
+    return lines
+
+
+def _tables(run: Run, render: Callable[[Sequence[str], Sequence[Sequence[str]], Sequence[bool]], str]) -> list[str]:
+    columns = run.columns()
+    return [
+        render(*figures_table(run.runs, columns, run.workloads, run.rate, run.unmeasured())),
+        "",
+        render(GOALS_HEADER, [_goal_cells(g) for g in goals(run.runs, run.rate)], GOALS_RIGHT),
+        "",
+        "Brokers' CPU per run, in cores (run 1 / run 2 / ...):",
+        "",
+        render(*cpu_per_run_table(run.runs, columns, run.rate)),
+    ]
+
+
+def _setups(run: Run) -> list[str]:
+    lines = []
+    for system in run.columns():
+        first = run.first(system)
+        lines.append(f"- {LABELS[system]}: {first.setup if first is not None else run.unmeasured()[system]}")
+    return lines
 
 
 def section(run: Run) -> str:
-    reference = run.reference
-    rows = compare(run.ringq.results, reference.results if reference else [], run.rate)
-    versions = (
-        f"RabbitMQ {reference.rabbitmq_version} on Erlang/OTP {reference.erlang_version}"
-        if reference
-        else "RabbitMQ not run"
+    return "\n".join(
+        [
+            SECTION_TITLE,
+            "",
+            f"Command: `{run.command}`  ",
+            f"Machine: {machine()}  ",
+            f"Versions: {versions(run)}  ",
+            f"Measured: {run.began} ({run.seconds:.0f} s in all; load average before the run "
+            f"{_load(run.load_before)}, after it {_load(run.load_after)})",
+            "",
+            method_text(run),
+            "",
+            *_setups(run),
+            "",
+            *_tables(run, markdown_table),
+            "",
+            "<details><summary>Notes per run and workload</summary>",
+            "",
+            *_notes(run),
+            "",
+            "</details>",
+            "",
+        ]
     )
-    lines = [
-        SECTION_TITLE,
-        "",
-        f"Command: `{run.command}`  ",
-        f"Machine: {machine()}  ",
-        f"ringq {run.ringq.version} ({run.ringq.commit}); {versions}  ",
-        f"Measured: {run.began} ({run.seconds:.0f} s in all; load average before the run "
-        f"{run.load[0]:.2f} {run.load[1]:.2f} {run.load[2]:.2f})" + ("; --quick (short runs)" if run.quick else ""),
-        "",
-        "Both sides measured in this run, one after the other, with the same method (bench/reference/"
-        "rabbitmq_workloads.py, reused by bench/ringq_workloads.py): producer and consumer in separate "
-        "processes, 256-byte transient bodies carrying a sequence number and a send timestamp, a durable "
-        "queue declared through node 1 (its master there) and mirrored on all 3 nodes, clients on the "
-        "master's node, confirms with at most 1000 in flight, prefetch 1000 and one acknowledgement per "
-        "message, only confirms/deliveries inside the measured window counted; at the fixed rate, latency "
-        "runs from each message's scheduled send time. W3 is W2 at the fixed rate with the master's node "
-        "SIGKILLed: gap = longest time without a delivery from 1 s before the kill, lost = confirmed but "
-        "never delivered, duplicates = deliveries of an already delivered message.",
-        "",
-        f"- ringq: {run.ringq.setup}",
-        f"- RabbitMQ: {reference.setup}" if reference else "- RabbitMQ: not run",
-        "",
-        markdown_table(COMPARISON_HEADER, [r.cells() for r in rows], COMPARISON_RIGHT),
-        "",
-        "For latency and gap a ratio above 1 means ringq is slower.",
-        "",
-        markdown_table(
-            GOALS_HEADER,
-            [_goal_cells(g) for g in goals(run.ringq.results, reference.results if reference else None, run.rate)],
-            GOALS_RIGHT,
-        ),
-        "",
-        "Notes per workload:",
-        "",
-        *_notes("ringq", run.ringq.results),
-        *(_notes("RabbitMQ", reference.results) if reference else []),
-        "",
-    ]
-    return "\n".join(lines)
+
+
+def report_text(run: Run) -> str:
+    return "\n".join(
+        [
+            "",
+            f"{versions(run)}; {machine()}",
+            f"load average before the run {_load(run.load_before)}, after it {_load(run.load_after)}; "
+            f"{run.seconds:.0f} s in all",
+            "",
+            *_tables(run, text_table),
+            "",
+            *_notes(run),
+        ]
+    )
 
 
 def write_section(path: Path, text: str) -> None:
-    """Replace the section (from its title to the next "## " heading) or append it; keep the rest."""
+    """Replace the section (from its title, or an older title of it, to the next "## " heading) or append it;
+    keep the rest of the file."""
     current = path.read_text() if path.exists() else "# Benchmarks\n"
-    if SECTION_TITLE in current:
-        head, _, rest = current.partition(SECTION_TITLE)
+    title = next((t for t in (SECTION_TITLE, *OLD_TITLES) if t in current), None)
+    if title is not None:
+        head, _, rest = current.partition(title)
         _, separator, tail = rest.partition("\n## ")
         updated = head + text.rstrip("\n") + "\n" + ("\n## " + tail if separator else "")
     else:
@@ -263,7 +504,7 @@ def write_section(path: Path, text: str) -> None:
     path.write_text(updated)
 
 
-# --- main ------------------------------------------------------------------------------------------
+# --- main --------------------------------------------------------------------------------------------
 
 
 def _say(side: str) -> Callable[[str], None]:
@@ -294,58 +535,96 @@ class _StopOnSignal:
         raise KeyboardInterrupt(signal.Signals(signum).name)
 
 
-def main(argv: list[str] | None = None) -> int:
+def _choices(parser: argparse.ArgumentParser, text: str, allowed: Sequence[str], what: str) -> list[str]:
+    chosen = [w.strip() for w in text.split(",") if w.strip()]
+    unknown = set(chosen) - set(allowed)
+    if unknown:
+        parser.error(f"unknown {what} {sorted(unknown)}; choose from {','.join(allowed)}")
+    return chosen
+
+
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m bench.bench_queues", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="short runs (a few minutes in all)")
+    parser.add_argument("--runs", type=int, default=3, help="runs of each system, interleaved (default 3)")
+    parser.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated subset of {','.join(SYSTEMS)}")
     parser.add_argument(
         "--only", default=",".join(WORKLOADS), help=f"comma-separated subset of {','.join(WORKLOADS)} (W3 runs last)"
     )
     parser.add_argument("--rate", type=float, default=FIXED_RATE, help="the fixed rate of W2@rate and W3, msgs/s")
-    parser.add_argument("--skip-reference", action="store_true", help="run the ringq side only")
+    defaults = Durations()
+    parser.add_argument("--quick", action="store_true", help="short durations (quick's defaults, below)")
     parser.add_argument(
-        "--ack-every",
-        type=int,
-        default=1,
-        help="ringq consumer: 1 (default, the reference's method) acknowledges each message; N > 1 settles "
-        "every Nth with `multiple` (for investigation only; not comparable, and not written with --write)",
+        "--warmup", type=float, help=f"seconds before the measured window (default {defaults.warmup_s:g})"
     )
+    parser.add_argument("--measure", type=float, help=f"seconds measured (default {defaults.measure_s:g})")
+    parser.add_argument("--w3-warmup", type=float, help=f"W3: seconds to the kill (default {defaults.w3_warmup_s:g})")
+    parser.add_argument(
+        "--w3-after-kill",
+        type=float,
+        help=f"W3: seconds of sending after the kill (default {defaults.w3_after_kill_s:g})",
+    )
+    parser.add_argument("--drain", type=float, help=f"W3: longest drain at the end (default {defaults.drain_s:g})")
     parser.add_argument("--write", type=Path, help="put the results into this Markdown file (e.g. docs/benchmarks.md)")
-    parser.add_argument("--json", type=Path, help="also write both reports to this file as JSON")
+    parser.add_argument("--json", type=Path, help="also write every run's results to this file as JSON")
+    return parser
+
+
+def durations_from(args: argparse.Namespace) -> Durations:
+    base = Durations.quick() if args.quick else Durations()
+    given = {
+        "warmup_s": args.warmup,
+        "measure_s": args.measure,
+        "w3_warmup_s": args.w3_warmup,
+        "w3_after_kill_s": args.w3_after_kill,
+        "drain_s": args.drain,
+    }
+    values = {**asdict(base), **{k: v for k, v in given.items() if v is not None}}
+    return Durations(**values)
+
+
+def measure(
+    systems: Sequence[str],
+    runs: int,
+    durations: Durations,
+    only: Sequence[str],
+    rate: float,
+    stop: _StopOnSignal,
+) -> list[SystemRun]:
+    """`runs` runs of every system in turn; a run that fails is recorded as failed and the others go on."""
+    out: list[SystemRun] = []
+    for number in range(1, runs + 1):
+        for system in systems:
+            if stop.signalled:
+                raise KeyboardInterrupt
+            say = _say(f"{LABELS[system]} run {number}/{runs}")
+            try:
+                out.append(run_system(system, number, durations, only, rate, say, lambda: stop.signalled))
+            except Exception as error:
+                say(f"failed: {error}")
+                first_line = str(error).strip().splitlines()[0] if str(error).strip() else repr(error)
+                out.append(SystemRun(system, number, error=first_line[:300]))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
     args = parser.parse_args(argv)
-    only = [w.strip() for w in args.only.split(",") if w.strip()]
-    unknown = set(only) - set(WORKLOADS)
-    if unknown:
-        parser.error(f"unknown workloads {sorted(unknown)}; choose from {','.join(WORKLOADS)}")
-    if args.write and (args.skip_reference or args.ack_every != 1):
-        parser.error("--write needs both sides measured with the same method (no --skip-reference, --ack-every 1)")
-    if not args.skip_reference:
-        problem = unavailable_reason()
-        if problem is not None:
-            print(f"cannot run the RabbitMQ reference: {problem}; {SETUP_HINT}", file=sys.stderr)
-            return 2
+    systems = _choices(parser, args.systems, SYSTEMS, "systems")
+    only = _choices(parser, args.only, WORKLOADS, "workloads")
+    if args.runs < 1:
+        parser.error("--runs must be at least 1")
+    if args.write and (set(systems) != set(SYSTEMS) or set(only) != set(WORKLOADS)):
+        parser.error("--write needs every system and every workload measured (no --systems, no --only)")
+    missing = {s: reason for s in systems if (reason := unavailable_reason(s)) is not None}
+    for system, reason in missing.items():
+        print(f"{LABELS[system]} is left out: {reason}", file=sys.stderr)
+    durations = durations_from(args)
     stop = _StopOnSignal()
-    load = os.getloadavg()
+    load_before = os.getloadavg()
     began = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     started = time.monotonic()
     try:
-        ringq = run_ringq(
-            quick=args.quick,
-            only=only,
-            rate=args.rate,
-            ack_every=args.ack_every,
-            progress=_say("ringq"),
-            stop_requested=lambda: stop.signalled,
-        )
-        reference = None
-        reference_failed = False
-        if not args.skip_reference:
-            if stop.signalled:
-                raise KeyboardInterrupt
-            try:
-                reference = run_reference(quick=args.quick, only=only, rate=args.rate, progress=_say("reference"))
-            except Exception as error:  # still show ringq's figures
-                print(f"the RabbitMQ reference failed: {error}", file=sys.stderr)
-                reference_failed = True
+        runs = measure([s for s in systems if s not in missing], args.runs, durations, only, args.rate, stop)
     except (KeyboardInterrupt, SystemExit):
         print("interrupted: every process this run started has been stopped", file=sys.stderr)
         return 130
@@ -353,50 +632,27 @@ def main(argv: list[str] | None = None) -> int:
         command=_command(argv),
         began=began,
         seconds=time.monotonic() - started,
-        load=load,
-        quick=args.quick,
+        load_before=load_before,
+        load_after=os.getloadavg(),
+        runs_per_system=args.runs,
+        durations=durations,
         rate=args.rate,
-        ringq=ringq,
-        reference=reference,
+        systems=systems,
+        workloads=only,
+        missing={s: f"not run ({reason})" for s, reason in missing.items()},
+        runs=runs,
     )
     print(report_text(run))
     if args.json is not None:
-        payload: dict[str, Any] = {"ringq": ringq.to_dict(), "reference": reference.to_dict() if reference else None}
-        args.json.write_text(json.dumps(payload, indent=2) + "\n")
-    if reference_failed:
-        if args.write is not None:
-            print(f"{args.write} not written: the reference did not run", file=sys.stderr)
-        return 1
+        args.json.write_text(json.dumps([r.to_dict() for r in runs], indent=2) + "\n")
     if args.write is not None:
+        unmeasured = run.unmeasured()
+        if unmeasured:
+            print(f"{args.write} not written: {', '.join(LABELS[s] for s in unmeasured)} not measured")
+            return 1
         write_section(args.write, section(run))
         print(f"wrote {args.write}")
-    return 0
-
-
-def report_text(run: Run) -> str:
-    reference = run.reference
-    rows = compare(run.ringq.results, reference.results if reference else [], run.rate)
-    goal_rows = goals(run.ringq.results, reference.results if reference else None, run.rate)
-    versions = (
-        f"RabbitMQ {reference.rabbitmq_version} on Erlang/OTP {reference.erlang_version}"
-        if reference
-        else "RabbitMQ not run"
-    )
-    return "\n".join(
-        [
-            "",
-            f"ringq {run.ringq.version} ({run.ringq.commit}); {versions}; {machine()}",
-            f"load average before the run: {run.load[0]:.2f} {run.load[1]:.2f} {run.load[2]:.2f}; "
-            f"{run.seconds:.0f} s in all",
-            "",
-            text_table(COMPARISON_HEADER, [r.cells() for r in rows], COMPARISON_RIGHT),
-            "",
-            text_table(GOALS_HEADER, [_goal_cells(g) for g in goal_rows], GOALS_RIGHT),
-            "",
-            *_notes("ringq", run.ringq.results),
-            *(_notes("RabbitMQ", reference.results) if reference else []),
-        ]
-    )
+    return 1 if run.failures() else 0
 
 
 if __name__ == "__main__":

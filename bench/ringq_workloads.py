@@ -3,15 +3,17 @@
 Everything that defines the method is the reference's (bench/reference/rabbitmq_workloads.py) and
 is imported from it, not copied: the result record (`WorkloadResult`), the durations, the body
 layout (256 bytes: sequence number, send timestamp, padding), the in-flight bound (1000), the
-prefetch (1000), the fixed rate and its 1 ms pacing tick, the producer and consumer report
-records, how latencies, percentiles and the W3 figures are computed (`_latencies_ms`,
-`_w3_result`), and the process plumbing (spawn context, result collection). Only the clients and
-the cluster differ:
+prefetch (1000), the fixed rate and its 1 ms pacing tick, the producer's window and pacing
+(`AsyncWindowProducer`), the producer and consumer report records and how they are filled, how
+latencies, percentiles and the W1-W3 figures are computed (`w1_result`, `w2_result`, `_w3_result`),
+the process plumbing (`run_producer`, `run_pair`: spawn context, result collection, the brokers'
+CPU over the window) and the acknowledgement policy of each workload (bench/ack_batching.py). Only
+the clients and the cluster differ:
 
-- Cluster: `services.cluster.up(3, ...)` on 127.0.0.1 with the node flags of `NODE_ARGS`, one
-  coordinator; the policy `ha` (`^ha\\.`, ha-mode all, ha-sync-mode automatic) is set through the
-  coordinator. A queue is declared (durable) through node1, so its master is on node1, and every
-  workload waits until both mirrors are synchronised before it starts.
+- Cluster: `services.cluster.up(3, ...)` on 127.0.0.1 with default node settings (only the log
+  level set, `NODE_ARGS`), one coordinator; the policy `ha` (`^ha\\.`, ha-mode all, ha-sync-mode
+  automatic) is set through the coordinator. A queue is declared (durable) through node1, so its
+  master is on node1, and every workload waits until both mirrors are synchronised before it starts.
 - Client: the Python ringq SDK's asyncio API (clients/python/ringq/aio.py, `ringq.aio.Connection`)
   over gRPC asyncio, producer and consumer in two separate processes (multiprocessing "spawn"), both
   connected to the master's node first and failing over to the next node in order.
@@ -22,11 +24,11 @@ the cluster differ:
   confirm (outcome CONFIRMED, or DUPLICATE for a resend the queue already held) arrives. When the
   stream breaks, every unconfirmed message is sent again on a new stream through the next node
   (`Producer`'s resend on failover); the queue drops those it already has.
-- Consumer: `Connection.consumer(prefetch=1000)` (it resumes on another node after a failover) and
-  one `delivery.ack()` per message, sent on the consumer's own Consume stream, like the reference's
-  one basic.ack per message on its channel. The ack has no reply, as an AMQP basic.ack has none;
-  the prefetch bounds how many are outstanding. `ack_every` > 1 (not the reference's method; for
-  investigation only) acknowledges every Nth delivery with `multiple`.
+- Consumer: `Connection.consumer(prefetch=1000)` (it resumes on another node after a failover),
+  acknowledging as the workload says, like the reference's consumer: batched (`delivery.ack(multiple=
+  True)` every 100 messages or 50 ms) or one `delivery.ack()` per message, sent on the consumer's own
+  Consume stream. The ack has no reply, as an AMQP basic.ack has none; the prefetch bounds how many
+  are outstanding.
 
 Beyond the reference's figures, for diagnosis (in each result's notes and details): the WARNING and
 ERROR lines the nodes logged during the workload; in W3, the messages still in the queue after the
@@ -55,6 +57,7 @@ import uuid
 from array import array
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from importlib import metadata
 from pathlib import Path
 from types import TracebackType
@@ -62,29 +65,33 @@ from typing import Any, Self
 
 import grpc
 
+from bench.ack_batching import BATCHED, EACH, Ack, AckPolicy, AckTimer
 from bench.reference.rabbitmq_workloads import (
-    _CTX,
     FIXED_RATE,
     HEADER,
     MAX_IN_FLIGHT,
     NS,
-    PACE_TICK_S,
     PAYLOAD_SIZE,
     PREFETCH,
     WORKLOADS,
+    AsyncWindowProducer,
     ConsumerReport,
     Durations,
+    PairSpec,
     ProducerReport,
+    StopWhen,
     WorkloadResult,
-    _await_start,
-    _collect,
-    _cpu_note,
     _cpu_seconds,
-    _join,
     _KillInfo,
     _RunOutcome,
     _w3_result,
+    check_workloads,
     make_body,
+    put_report,
+    queue_steps,
+    run_pair,
+    run_producer,
+    w1_result,
     w2_result,
 )
 from ringq import aio
@@ -95,16 +102,7 @@ from ringq.v1 import queue_pb2
 from services import certs, cluster
 
 NODES = 3
-NODE_ARGS = (
-    "--failure-timeout-ms",
-    "500",
-    "--heartbeat-interval-ms",
-    "100",
-    "--grace-ms",
-    "100",
-    "--log-level",
-    "WARNING",
-)
+NODE_ARGS = ("--log-level", "WARNING")  # default settings otherwise
 POLICY_NAME = "ha"
 POLICY_PATTERN = r"^ha\."
 POLICY = {"ha-mode": "all", "ha-sync-mode": "automatic"}
@@ -415,7 +413,6 @@ class RingqProducerReport(ProducerReport):
 
 @dataclass
 class RingqConsumerReport(ConsumerReport):
-    acks_sent: int = 0  # acks sent on the consume stream
     acks_refused: int = 0  # ack() returned False: the delivery's stream was gone (after a failover)
     ack_errors: int = 0  # consume streams the queue ended for an ack it refused (an unknown delivery tag)
     subscriptions: int = 0  # consumer tags seen: 1 + re-subscriptions
@@ -456,22 +453,15 @@ class ProducerConfig:
     access: Access = PLAINTEXT
 
 
-class _Producer:
+class _Producer(AsyncWindowProducer):
+    report: RingqProducerReport
+    cfg: ProducerConfig
+
     def __init__(self, cfg: ProducerConfig, started: Any) -> None:
-        self.cfg = cfg
-        self.started_shared = started  # multiprocessing Value('d'): seconds, set at time zero
-        self.report = RingqProducerReport()
+        super().__init__(cfg, started, RingqProducerReport())
         self.publisher_id = uuid.uuid4().hex
-        # publisher seq (bench seq + 1: ringq deduplicates seqs >= 1) -> (bench seq, send stamp)
-        self.pending: dict[int, tuple[int, int]] = {}
-        self.next_seq = 0
-        self.space = asyncio.Event()  # set when confirms free room in the window (or when finishing)
-        self.all_confirmed = asyncio.Event()
-        self.finishing = False
-        self.done = False
         self.call: Any = None
-        self.last_confirm_ns = 0
-        self.interval_ns = NS / cfg.rate if cfg.rate else 0.0
+        self._target: tuple[Any, Any] = (None, None)  # the current Publish call and the queue's ref
 
     async def run(self) -> RingqProducerReport:
         wall0, cpu0 = time.monotonic(), _cpu_seconds()
@@ -480,14 +470,8 @@ class _Producer:
         lost_since: float | None = None
         try:
             while not self.done:
-                if not self.report.started_ns:
-                    now = time.monotonic_ns()
-                    self.report.started_ns = now
-                    self.report.window_start_ns = now + int(self.cfg.warmup_s * NS)
-                    self.report.window_end_ns = self.report.window_start_ns + int(self.cfg.measure_s * NS)
-                    self.started_shared.value = now / NS
-                    self.last_confirm_ns = now
-                    finisher = asyncio.ensure_future(self._finish())
+                if finisher is None:
+                    finisher = self.start()
                 worked = await self._session(connection)
                 if self.done:
                     break
@@ -535,7 +519,7 @@ class _Producer:
             task = asyncio.current_task()
             if task is not None and task.cancelling():
                 raise
-            # else the call was cancelled by _finish: the run is over
+            # else the call was cancelled by _finished: the run is over
         finally:
             writer.cancel()
             call.cancel()
@@ -545,61 +529,28 @@ class _Producer:
 
     async def _write(self, call: Any, ref: queue_pb2.QueueRef, resend: list[int]) -> None:
         # A write fails once the stream is broken; the reader then reports the status.
+        self._target = (call, ref)
         with contextlib.suppress(grpc.aio.AioRpcError, asyncio.InvalidStateError):
             for start in range(0, len(resend), self.cfg.batch):
                 seqs = [s for s in resend[start : start + self.cfg.batch] if s in self.pending]
                 if seqs:
-                    await self._send(call, ref, seqs)
+                    await self._send(seqs)
                     self.report.republished += len(seqs)
-            if self.cfg.rate is None:
-                await self._fill(call, ref)
-            else:
-                await self._pace(call, ref)
+            await self.produce()
 
-    async def _send(self, call: Any, ref: queue_pb2.QueueRef, seqs: list[int]) -> None:
+    async def _send(self, keys: list[int]) -> None:
+        call, ref = self._target
         pending = self.pending
-        messages = [queue_pb2.OutgoingMessage(body=make_body(*pending[s]), seq=s) for s in seqs]
+        messages = [queue_pb2.OutgoingMessage(body=make_body(*pending[s]), seq=s) for s in keys]
         self.report.published += len(messages)
         await call.write(queue_pb2.PublishRequest(queue=ref, publisher=self.publisher_id, messages=messages))
-
-    def _take(self, count: int, stamp: int | None) -> list[int]:
-        """Number the next `count` messages and put them in the window; `stamp` None: each one's scheduled time."""
-        seqs = []
-        for _ in range(count):
-            seq = self.next_seq
-            self.next_seq += 1
-            sent = stamp if stamp is not None else self.report.started_ns + int(seq * self.interval_ns)
-            self.pending[seq + 1] = (seq, sent)
-            seqs.append(seq + 1)
-        return seqs
-
-    async def _fill(self, call: Any, ref: queue_pb2.QueueRef) -> None:
-        """Unthrottled: keep the window full."""
-        while not self.finishing:
-            room = self.cfg.max_in_flight - len(self.pending)
-            if room <= 0:
-                self.space.clear()
-                await self.space.wait()
-                continue
-            await self._send(call, ref, self._take(min(self.cfg.batch, room), time.monotonic_ns()))
-
-    async def _pace(self, call: Any, ref: queue_pb2.QueueRef) -> None:
-        """Paced: every tick, send what has fallen due (the window permitting), stamped with its scheduled time."""
-        assert self.cfg.rate is not None
-        while not self.finishing:
-            due = int((time.monotonic_ns() - self.report.started_ns) / NS * self.cfg.rate) + 1
-            while self.next_seq < due and len(self.pending) < self.cfg.max_in_flight:
-                count = min(self.cfg.batch, due - self.next_seq, self.cfg.max_in_flight - len(self.pending))
-                await self._send(call, ref, self._take(count, None))
-            self.report.behind_schedule = max(0, due - self.next_seq)
-            await asyncio.sleep(PACE_TICK_S)
 
     def _on_response(self, response: queue_pb2.PublishResponse) -> None:
         now = time.monotonic_ns()
         report = self.report
         count = 0
         for seq, outcome in zip(response.seqs, response.outcomes, strict=True):
-            entry = self.pending.pop(seq, None)
+            entry = self.settle(seq)
             if entry is None:
                 continue
             if outcome in _CONFIRMED:
@@ -613,38 +564,17 @@ class _Producer:
                         report.duplicate_seqs.append(entry[0])
             else:
                 report.nacked += 1
-        if count:
-            report.confirmed += count
-            if report.window_start_ns <= now < report.window_end_ns:
-                report.confirmed_in_window += count
-            if now > report.window_start_ns:
-                gap = (now - max(self.last_confirm_ns, report.window_start_ns)) / NS
-                report.longest_confirm_gap_s = max(report.longest_confirm_gap_s, gap)
-            self.last_confirm_ns = now
-        self.space.set()
-        if not self.pending:
-            self.all_confirmed.set()
+        self.counted(count, now)
 
-    async def _finish(self) -> None:
-        """At the window's end: stop publishing, wait (a grace at most) for the outstanding confirms, end."""
-        await asyncio.sleep(max(0.0, (self.report.window_end_ns - time.monotonic_ns()) / NS))
-        self.finishing = True
-        self.space.set()
-        if self.pending:
-            self.all_confirmed.clear()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.all_confirmed.wait(), self.cfg.confirm_grace_s)
-        self.done = True
+    def _finished(self) -> None:
         if self.call is not None:
             self.call.cancel()
 
 
 def _producer_main(cfg: ProducerConfig, started: Any, results: multiprocessing.Queue[Any]) -> None:
-    try:
-        report: ProducerReport = asyncio.run(_Producer(cfg, started).run())
-    except BaseException as exc:
-        report = RingqProducerReport(errors=[f"producer crashed: {exc!r}"])
-    results.put(("producer", report))
+    put_report(
+        results, "producer", lambda: asyncio.run(_Producer(cfg, started).run()), lambda e: RingqProducerReport(errors=e)
+    )
 
 
 # --- consumer (runs in its own process) ---------------------------------------------------------------
@@ -655,7 +585,7 @@ class ConsumerConfig:
     addresses: list[str]
     queue: str
     prefetch: int = PREFETCH
-    ack_every: int = 1  # 1: one ack per message (the reference's method); N: every Nth with `multiple`
+    acks: AckPolicy = EACH
     drain: bool = False  # after stop: keep consuming until idle_s without a delivery (at most drain_s)
     idle_s: float = 1.5
     drain_s: float = 30.0
@@ -668,11 +598,11 @@ class _Consumer:
     ) -> None:
         self.cfg = cfg
         self.ready = ready
-        self.stop = stop
+        self.until = StopWhen(stop, cfg.drain, cfg.idle_s, cfg.drain_s)
         self.report = RingqConsumerReport()
         self.tags: set[str] = set()
-        self.unacked = 0
-        self.last_delivery = time.monotonic()
+        self.acks = AckTimer(cfg.acks, self._call_later, self._ack)
+        self.last: aio.Delivery | None = None  # the latest delivery: what a batched ack settles up to
 
     async def run(self) -> RingqConsumerReport:
         wall0, cpu0 = time.monotonic(), _cpu_seconds()
@@ -681,7 +611,11 @@ class _Consumer:
         try:
             await self._await_subscribed(connection, consuming)
             self.ready.set()
-            await self._await_stop()
+            while not self.until.finished():
+                await asyncio.sleep(0.05)
+            ack = self.acks.batching.flush()
+            if ack is not None:
+                self._ack(ack)
         finally:
             consuming.cancel()
             with contextlib.suppress(BaseException):
@@ -697,6 +631,7 @@ class _Consumer:
     async def _consume(self, connection: aio.Connection) -> None:
         while True:
             consumer = connection.consumer(self.cfg.queue, prefetch=self.cfg.prefetch)
+            self.acks.reset()
             try:
                 async for delivery in consumer:
                     self._on_delivery(delivery)
@@ -718,41 +653,26 @@ class _Consumer:
             await asyncio.sleep(0.02)
 
     def _on_delivery(self, delivery: aio.Delivery) -> None:
-        now = time.monotonic_ns()
-        seq, sent = HEADER.unpack_from(delivery.body)
-        report = self.report
-        report.received_ns.append(now)
-        report.sent_ns.append(sent)
-        report.seqs.append(seq)
-        report.redelivered_flags.append(1 if delivery.redelivered else 0)
-        if delivery.redelivered:
-            report.redelivered += 1
+        self.report.record(delivery.body, time.monotonic_ns(), delivery.redelivered)
         if delivery.consumer_tag not in self.tags:
             self.tags.add(delivery.consumer_tag)
-            self.unacked = 0
-        self.unacked += 1
-        if self.unacked >= self.cfg.ack_every:
-            self.unacked = 0
-            # On the consume stream, not awaited (it has no reply); False: the delivery's stream is gone.
-            report.acks_sent += 1
-            if not delivery.ack(multiple=self.cfg.ack_every > 1):
-                report.acks_refused += 1
-        self.last_delivery = time.monotonic()
+            self.acks.reset()  # a new subscription: what the last one had unacknowledged comes again
+        self.last = delivery
+        self.acks.delivered(delivery.delivery_tag)
+        self.until.delivered()
 
-    async def _await_stop(self) -> None:
-        stop_seen_at: float | None = None
-        while True:
-            await asyncio.sleep(0.05)
-            if not self.stop.is_set():
-                continue
-            now = time.monotonic()
-            stop_seen_at = stop_seen_at or now
-            if (
-                not self.cfg.drain
-                or now - self.last_delivery > self.cfg.idle_s
-                or now - stop_seen_at > self.cfg.drain_s
-            ):
-                return
+    @staticmethod
+    def _call_later(delay: float, callback: Callable[[], None]) -> None:
+        asyncio.get_running_loop().call_later(delay, callback)
+
+    def _ack(self, ack: Ack) -> None:
+        """On the consume stream, not awaited (it has no reply); False: the delivery's stream is gone."""
+        delivery = self.last
+        if delivery is None or delivery.delivery_tag != ack.tag:
+            return
+        self.report.acks_sent += 1
+        if not delivery.ack(multiple=ack.multiple):
+            self.report.acks_refused += 1
 
 
 def _consumer_main(
@@ -761,23 +681,15 @@ def _consumer_main(
     stop: multiprocessing.synchronize.Event,
     results: multiprocessing.Queue[Any],
 ) -> None:
-    try:
-        report: ConsumerReport = asyncio.run(_Consumer(cfg, ready, stop).run())
-    except BaseException as exc:
-        report = RingqConsumerReport(errors=[f"consumer crashed: {exc!r}"])
-    results.put(("consumer", report))
+    put_report(
+        results,
+        "consumer",
+        lambda: asyncio.run(_Consumer(cfg, ready, stop).run()),
+        lambda e: RingqConsumerReport(errors=e),
+    )
 
 
 # --- orchestration (the parent process) ---------------------------------------------------------------
-
-
-def _cluster_cpu_percent(rc: RingqCluster, started_s: float, warmup_s: float, measure_s: float) -> float:
-    """The nodes' and coordinator's CPU use over the measured window, in % of one core."""
-    time.sleep(max(0.0, started_s + warmup_s - time.monotonic()))
-    cpu0, t0 = rc.cpu_seconds(), time.monotonic()
-    time.sleep(max(0.0, started_s + warmup_s + measure_s - time.monotonic()))
-    elapsed = time.monotonic() - t0
-    return 100 * (rc.cpu_seconds() - cpu0) / elapsed if elapsed > 0 else 0.0
 
 
 def _sync_note(problems: list[str]) -> str:
@@ -788,50 +700,15 @@ def _sync_note(problems: list[str]) -> str:
     return f"queue declared {len(problems) + 1} times{again}: a mirror never synchronised ({problems[0]})"
 
 
-def _ack_note(ack_every: int) -> str:
-    return "one ack per message" if ack_every == 1 else f"an ack with multiple every {ack_every} messages"
-
-
 def run_w1(rc: RingqCluster, durations: Durations, queue: str = "ha.w1") -> WorkloadResult:
     """One producer, confirms with up to 1000 in flight, nobody consuming: confirmed msgs/s."""
     queue, master, problems = prepare_queue(rc, queue)
-    results: multiprocessing.Queue[Any] = _CTX.Queue()
-    started = _CTX.Value("d", 0.0)
     cfg = ProducerConfig(rc.addresses_from(master), queue, durations.warmup_s, durations.measure_s, access=rc.access)
-    producer = _CTX.Process(target=_producer_main, args=(cfg, started, results), name="w1-producer")
-    producer.start()
     try:
-        started_s = _await_start(started, producer)
-        broker_cpu = _cluster_cpu_percent(rc, started_s, durations.warmup_s, durations.measure_s)
-        report: RingqProducerReport = _collect(results, {"producer"}, durations.warmup_s + durations.measure_s + 60)[
-            "producer"
-        ]
+        report, cores = run_producer(_producer_main, cfg, rc.cpu_seconds, durations)
     finally:
-        _join([producer])
         delete_queue(rc, queue)
-    notes = [
-        f"{report.confirmed_in_window} confirmed in {durations.measure_s:g} s after {durations.warmup_s:g} s warm-up",
-        _cpu_note("producer", report.cpu_s, report.wall_s),
-        f"brokers CPU {broker_cpu:.0f}%",
-    ]
-    if report.nacked:
-        notes.append(f"{report.nacked} nacked")
-    notes.append(_sync_note(problems))
-    if report.errors:
-        notes.append("errors: " + "; ".join(report.errors[:3]))
-    return WorkloadResult(
-        name="W1",
-        rate=report.confirmed_in_window / durations.measure_s,
-        notes=", ".join(n for n in notes if n),
-        details={
-            "confirmed": report.confirmed,
-            "published": report.published,
-            "producer_cpu_s": round(report.cpu_s, 3),
-            "producer_wall_s": round(report.wall_s, 3),
-            "brokers_cpu_percent": round(broker_cpu, 1),
-            "redeclared": len(problems),
-        },
-    )
+    return w1_result(report, durations, cores, [_sync_note(problems)], {"redeclared": len(problems)})
 
 
 def _run_pair(
@@ -843,53 +720,41 @@ def _run_pair(
     rate: float | None,
     drain: bool,
     record_confirmed: bool,
-    ack_every: int,
+    acks: AckPolicy,
     drain_s: float = 30.0,
     on_started: Callable[[float], _KillInfo | None] | None = None,
 ) -> _RunOutcome:
     master_before = queue_master(rc, queue)
     addresses = rc.addresses_from(master_before)
-    results: multiprocessing.Queue[Any] = _CTX.Queue()
-    ready, stop = _CTX.Event(), _CTX.Event()
-    started = _CTX.Value("d", 0.0)
-    consumer_cfg = ConsumerConfig(addresses, queue, ack_every=ack_every, drain=drain, drain_s=drain_s, access=rc.access)
-    producer_cfg = ProducerConfig(
-        addresses, queue, warmup_s, measure_s, rate=rate, record_confirmed=record_confirmed, access=rc.access
+    spec = PairSpec(
+        producer_main=_producer_main,
+        producer_cfg=ProducerConfig(
+            addresses, queue, warmup_s, measure_s, rate=rate, record_confirmed=record_confirmed, access=rc.access
+        ),
+        consumer_main=_consumer_main,
+        consumer_cfg=ConsumerConfig(addresses, queue, acks=acks, drain=drain, drain_s=drain_s, access=rc.access),
+        cpu_seconds=rc.cpu_seconds,
+        warmup_s=warmup_s,
+        measure_s=measure_s,
+        drain_s=drain_s,
+        subscribe_timeout_s=ADMIN_TIMEOUT_S + 10,
     )
-    consumer = _CTX.Process(target=_consumer_main, args=(consumer_cfg, ready, stop, results), name="consumer")
-    producer = _CTX.Process(target=_producer_main, args=(producer_cfg, started, results), name="producer")
-    kill: _KillInfo | None = None
-    broker_cpu: float | None = None
-    got: dict[str, Any] = {}
-    try:
-        consumer.start()
-        if not ready.wait(ADMIN_TIMEOUT_S + 10):
-            raise RuntimeError(f"the consumer did not subscribe to {queue} within {ADMIN_TIMEOUT_S + 10:g} s")
-        producer.start()
-        started_s = _await_start(started, producer)
-        if on_started is not None:
-            kill = on_started(started_s)
-        else:
-            broker_cpu = _cluster_cpu_percent(rc, started_s, warmup_s, measure_s)
-        got = _collect(results, {"producer"}, warmup_s + measure_s + 120)
-        stop.set()
-        got.update(_collect(results, {"consumer"}, drain_s + 60))
-    finally:
-        stop.set()
-        _join([consumer, producer])
-    outcome = _RunOutcome(
-        producer=got["producer"], consumer=got["consumer"], master_before=master_before, broker_cpu_percent=broker_cpu
-    )
-    if kill is not None:
-        outcome.killed_at_ns = kill.at_ns
-        outcome.killed_node = kill.node
+    outcome = run_pair(spec, on_started)
+    outcome.master_before = master_before
+    if outcome.killed_at_ns is not None:
         with contextlib.suppress(Exception):
             outcome.master_after = queue_master(rc, queue)
     return outcome
 
 
 def run_w2(
-    rc: RingqCluster, durations: Durations, *, rate: float | None = None, queue: str = "ha.w2", ack_every: int = 1
+    rc: RingqCluster,
+    durations: Durations,
+    *,
+    rate: float | None = None,
+    queue: str = "ha.w2",
+    acks: AckPolicy = EACH,
+    name: str | None = None,
 ) -> WorkloadResult:
     """Producer and consumer at once (prefetch 1000, manual acks): delivered msgs/s and latency p50/p99."""
     queue, _, problems = prepare_queue(rc, queue)
@@ -902,18 +767,17 @@ def run_w2(
             rate=rate,
             drain=False,
             record_confirmed=False,
-            ack_every=ack_every,
+            acks=acks,
         )
     finally:
         delete_queue(rc, queue)
-    consumer = run.consumer
-    assert isinstance(consumer, RingqConsumerReport)
     return w2_result(
         run,
         durations,
         rate,
-        extra_notes=[_ack_note(ack_every), _sync_note(problems)],
-        extra_details={"acks": _ack_note(ack_every), "acks_sent": consumer.acks_sent, "redeclared": len(problems)},
+        extra_notes=[acks.describe(), _sync_note(problems)],
+        extra_details={"acks": acks.describe(), "redeclared": len(problems)},
+        name=name,
     )
 
 
@@ -939,7 +803,7 @@ def _count_outage_to_the_end(result: WorkloadResult, run: _RunOutcome) -> None:
 
 
 def run_w3(
-    rc: RingqCluster, durations: Durations, *, rate: float = FIXED_RATE, queue: str = "ha.w3", ack_every: int = 1
+    rc: RingqCluster, durations: Durations, *, rate: float = FIXED_RATE, queue: str = "ha.w3", acks: AckPolicy = EACH
 ) -> WorkloadResult:
     """W2 at a fixed rate, SIGKILL the master's node: seconds without service, messages lost, duplicates."""
     queue, master, problems = prepare_queue(rc, queue)
@@ -959,7 +823,7 @@ def run_w3(
             rate=rate,
             drain=True,
             record_confirmed=True,
-            ack_every=ack_every,
+            acks=acks,
             drain_s=durations.drain_s,
             on_started=kill_master,
         )
@@ -974,7 +838,7 @@ def run_w3(
     assert isinstance(producer, RingqProducerReport) and isinstance(consumer, RingqConsumerReport)
     result.details.update(
         {
-            "acks": _ack_note(ack_every),
+            "acks": acks.describe(),
             "duplicate_outcomes": producer.duplicate_outcomes,
             "producer_failovers": producer.failovers,
             "consumer_failovers": consumer.failovers,
@@ -987,7 +851,7 @@ def run_w3(
         }
     )
     result.notes += (
-        f", resends answered DUPLICATE {producer.duplicate_outcomes}"
+        f", {acks.describe()}, resends answered DUPLICATE {producer.duplicate_outcomes}"
         f", acks refused after the failover {consumer.acks_refused}"
     )
     if still_queued:
@@ -1045,9 +909,9 @@ def ringq_version() -> tuple[str, str]:
 def run_ringq(
     *,
     quick: bool = False,
+    durations: Durations | None = None,
     only: Sequence[str] = WORKLOADS,
     rate: float = FIXED_RATE,
-    ack_every: int = 1,
     progress: Callable[[str], None] | None = None,
     stop_requested: Callable[[], bool] = lambda: False,
 ) -> RingqReport:
@@ -1055,32 +919,23 @@ def run_ringq(
 
     `stop_requested` is asked before each workload (KeyboardInterrupt if it says so): an interrupt that
     gRPC turned into a cancelled call somewhere below still ends the run."""
-    unknown = set(only) - set(WORKLOADS)
-    if unknown:
-        raise ValueError(f"unknown workloads {sorted(unknown)}; choose from {WORKLOADS}")
-    if ack_every < 1:
-        raise ValueError("ack_every must be at least 1")
-    durations = Durations.quick() if quick else Durations()
+    check_workloads(only)
+    durations = durations or (Durations.quick() if quick else Durations())
     say = progress or (lambda _message: None)
     version, commit = ringq_version()
     say(f"starting a {NODES}-node ringq cluster on 127.0.0.1")
     with RingqCluster(NODES) as rc:
         say(f"ringq {version} ({commit}): {', '.join(rc.node_names)} and a coordinator in {rc.directory}")
-        steps: list[tuple[str, Callable[[], WorkloadResult]]] = [
-            ("w1", lambda: run_w1(rc, durations)),
-            ("w2", lambda: run_w2(rc, durations, ack_every=ack_every)),
-            ("w2rate", lambda: run_w2(rc, durations, rate=rate, queue="ha.w2rate", ack_every=ack_every)),
-            ("w3", lambda: run_w3(rc, durations, rate=rate, ack_every=ack_every)),
-        ]
+        steps = queue_steps(partial(run_w1, rc), partial(run_w2, rc), partial(run_w3, rc), durations, rate, "ha.")
         results: list[WorkloadResult] = []
-        for key, step in steps:
+        for key in WORKLOADS:
             if key in only:
                 if stop_requested():
                     raise KeyboardInterrupt
                 say(f"running {key}")
                 offsets = rc.log_offsets()
                 try:
-                    result = step()
+                    result = steps[key]()
                 except Exception as error:
                     raise RuntimeError(f"ringq {key} failed: {error}\n{rc.log_tails()}") from error
                 problems = rc.log_problems(offsets)
@@ -1090,10 +945,10 @@ def run_ringq(
                     result.notes += f"; the nodes logged {len(problems)} warnings/errors, e.g. {shown}"
                 results.append(result)
     setup = (
-        f"{NODES} nodes and a coordinator on 127.0.0.1 (node flags {' '.join(NODE_ARGS)}), queues mirrored by "
-        f"policy `{POLICY_NAME}` (`{POLICY_PATTERN}`, {json.dumps(POLICY)}); Python ringq SDK (ringq.aio, gRPC "
-        f"asyncio), producer and consumer in separate processes; {PAYLOAD_SIZE}-byte transient bodies; confirms <= "
-        f"{MAX_IN_FLIGHT} in flight, <= {PUBLISH_BATCH} messages per Publish request; prefetch {PREFETCH}, "
-        f"{_ack_note(ack_every)}"
+        f"{NODES} nodes and a coordinator on 127.0.0.1 (default settings, node flags {' '.join(NODE_ARGS)}), "
+        f"queues mirrored by policy `{POLICY_NAME}` (`{POLICY_PATTERN}`, {json.dumps(POLICY)}); Python ringq SDK "
+        f"(ringq.aio, gRPC asyncio), producer and consumer in separate processes; {PAYLOAD_SIZE}-byte transient "
+        f"bodies; confirms <= {MAX_IN_FLIGHT} in flight, <= {PUBLISH_BATCH} messages per Publish request; prefetch "
+        f"{PREFETCH}; {BATCHED.describe()} (W2 ack each and W3: {EACH.describe()})"
     )
     return RingqReport(version=version, commit=commit, nodes=NODES, setup=setup, results=results)

@@ -1,10 +1,11 @@
 """`python -m bench.reference`: the RabbitMQ reference measurements of `make bench`.
 
 Starts a 3-node RabbitMQ cluster (Debian's rabbitmq-server) on 127.0.0.1 with
-classic queues mirrored on every node, runs W1, W2, W2 at a fixed rate and W3
-(see bench/reference/rabbitmq_workloads.py for the method), prints a table,
-stops the cluster. `--quick` shortens every run; `--json PATH` also writes the
-report as JSON for the ringq side to print next to its own figures.
+classic queues mirrored on every node, runs W1, W2 (batched acks), W2 with one
+ack per message, W2 at a fixed rate and W3 (see bench/reference/
+rabbitmq_workloads.py for the method), prints a table, stops the cluster.
+`--quick` shortens every run; `--json PATH` also writes the report as JSON.
+`make bench` (bench/bench_queues.py) runs the same beside ringq and NATS.
 """
 
 from __future__ import annotations

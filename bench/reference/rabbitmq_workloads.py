@@ -18,8 +18,10 @@ Method, the same for every workload:
   automatic); it is declared through node 1, so its master is on node 1.
 - Publisher confirms with at most 1000 unconfirmed messages in flight; a
   publish is counted when its confirm (basic.ack) arrives.
-- Consumer: prefetch 1000, manual acknowledgements, one basic.ack per message.
-  A message's latency is from its send timestamp to its arrival in the
+- Consumer: prefetch 1000, manual acknowledgements, as the workload says
+  (bench/ack_batching.py): batched (one basic.ack with `multiple` every 100
+  messages or 50 ms, whichever first, as pika users configure for throughput)
+  or one basic.ack per message. A message's latency is from its send timestamp to its arrival in the
   consumer's callback. With a fixed rate, the timestamp is the message's
   scheduled send time, so a stalled producer cannot hide latency (no
   coordinated omission).
@@ -29,10 +31,14 @@ Method, the same for every workload:
 Workloads:
 - W1: one producer, no consumer: confirmed msgs/s.
 - W2: producer and consumer at once, producer unthrottled (bounded only by the
-  1000 confirms in flight): delivered msgs/s and latency p50/p99. The producer
-  may outrun the consumer, in which case the queue grows and so does latency.
-- W2@rate: W2 with the producer paced at a fixed rate (2,000 msgs/s): latency.
-- W3: W2 at the fixed rate with both clients connected to the master's node;
+  1000 confirms in flight), batched acks: delivered msgs/s and latency p50/p99.
+  The producer may outrun the consumer, in which case the queue grows and so
+  does latency.
+- W2 ack each: W2 with one ack per message.
+- W2@rate: W2 with the producer paced at a fixed rate (2,000 msgs/s), batched
+  acks: latency.
+- W3: W2 at the fixed rate, one ack per message (so that a duplicate is the
+  broker's, not a batch's unacknowledged deliveries), with both clients connected to the master's node;
   after a warm-up the master's node is SIGKILLed. Each client reconnects to
   the next node (retrying) and continues: the producer republishes what was
   unconfirmed when its connection died (an at-least-once producer), the
@@ -40,10 +46,21 @@ Workloads:
   deliveries from 1 s before the kill on (seconds without service), messages
   lost (confirmed, never delivered) and duplicates (deliveries of a sequence
   number already delivered).
+
+Every workload also records the CPU the brokers used (all nodes together, in
+cores) over its measured window; in W3, the survivors' from the kill to the end.
+
+Shared with the other systems' workloads (bench/ringq_workloads.py,
+bench/nats_workloads.py), so that the method is one: the result record, the
+body layout, the reports and how they are filled, the client processes'
+orchestration (`run_producer`, `run_pair`), the result builders (`w1_result`,
+`w2_result`, `_w3_result`) and the asyncio producers' window and pacing
+(`AsyncWindowProducer`).
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import itertools
 import json
@@ -58,11 +75,13 @@ from array import array
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from multiprocessing.context import SpawnProcess
-from typing import Any
+from typing import Any, Protocol
 
 import pika  # type: ignore[import-untyped]
 
+from bench.ack_batching import BATCHED, EACH, Ack, AckPolicy, AckTimer
 from bench.reference.rabbitmq_cluster import HA_POLICY, HA_POLICY_NAME, HOST, RabbitCluster, RabbitClusterError
 
 PAYLOAD_SIZE = 256
@@ -86,6 +105,7 @@ class WorkloadResult:
     gap_s: float | None = None  # W3: longest time without a delivery around the kill
     lost: int | None = None  # W3: confirmed but never delivered
     duplicates: int | None = None  # deliveries of an already delivered sequence number
+    broker_cores: float | None = None  # CPU of all the system's server processes over the measured window
     notes: str = ""
     details: dict[str, float | int | str] = field(default_factory=dict)
 
@@ -170,6 +190,27 @@ class ProducerReport:
     wall_s: float = 0.0
     confirmed_seqs: array[int] = field(default_factory=lambda: array("q"))
     errors: list[str] = field(default_factory=list)
+    last_confirm_ns: int = 0
+
+    def start_window(self, now_ns: int, warmup_s: float, measure_s: float, started: Any) -> None:
+        """Time zero is now: the measured window follows the warm-up; the parent learns it through `started`."""
+        self.started_ns = now_ns
+        self.window_start_ns = now_ns + int(warmup_s * NS)
+        self.window_end_ns = self.window_start_ns + int(measure_s * NS)
+        self.last_confirm_ns = now_ns
+        started.value = now_ns / NS
+
+    def count_confirms(self, count: int, now_ns: int) -> None:
+        """`count` messages confirmed at `now_ns`: the totals, the window's count, the longest confirm gap."""
+        if not count:
+            return
+        self.confirmed += count
+        if self.window_start_ns <= now_ns < self.window_end_ns:
+            self.confirmed_in_window += count
+        if now_ns > self.window_start_ns:
+            gap = (now_ns - max(self.last_confirm_ns, self.window_start_ns)) / NS
+            self.longest_confirm_gap_s = max(self.longest_confirm_gap_s, gap)
+        self.last_confirm_ns = now_ns
 
 
 class _PikaClient:
@@ -218,7 +259,6 @@ class _Producer(_PikaClient):
         self.retry: deque[tuple[int, int]] = deque()  # (seq, stamp) to publish again after a reconnect
         self.finishing = False
         self.done = False
-        self.last_confirm_ns = 0
         self.properties = pika.BasicProperties(delivery_mode=1)
 
     # lifecycle
@@ -267,12 +307,7 @@ class _Producer(_PikaClient):
         self.pending.clear()
         self.low_tag = self.next_tag = 1
         if not self.report.started_ns:
-            now = time.monotonic_ns()
-            self.report.started_ns = now
-            self.report.window_start_ns = now + int(self.cfg.warmup_s * NS)
-            self.report.window_end_ns = self.report.window_start_ns + int(self.cfg.measure_s * NS)
-            self.started_shared.value = now / NS
-            self.last_confirm_ns = now
+            self.report.start_window(time.monotonic_ns(), self.cfg.warmup_s, self.cfg.measure_s, self.started_shared)
         remaining = (self.report.window_end_ns - time.monotonic_ns()) / NS
         self.connection.ioloop.call_later(max(0.0, remaining), self._finish)
         if self.cfg.rate is not None:
@@ -340,13 +375,7 @@ class _Producer(_PikaClient):
             if acked and self.cfg.record_confirmed:
                 self.report.confirmed_seqs.append(entry[0])
         if acked:
-            self.report.confirmed += count
-            if self.report.window_start_ns <= now < self.report.window_end_ns:
-                self.report.confirmed_in_window += count
-            if now > self.report.window_start_ns:
-                gap = (now - max(self.last_confirm_ns, self.report.window_start_ns)) / NS
-                self.report.longest_confirm_gap_s = max(self.report.longest_confirm_gap_s, gap)
-            self.last_confirm_ns = now
+            self.report.count_confirms(count, now)
         else:
             self.report.nacked += count
         if self.finishing:
@@ -380,12 +409,129 @@ class _Producer(_PikaClient):
             self.connection.ioloop.stop()
 
 
-def _producer_main(cfg: ProducerConfig, started: Any, results: multiprocessing.Queue[Any]) -> None:
+def put_report(
+    results: multiprocessing.Queue[Any],
+    kind: str,
+    run: Callable[[], ProducerReport | ConsumerReport],
+    crashed: Callable[[list[str]], ProducerReport | ConsumerReport],
+) -> None:
+    """A client process's end, every system's: run the client, send its report (`kind`: "producer" or
+    "consumer") to the parent; if it crashed, a report saying so (`crashed(errors)`)."""
     try:
-        report = _Producer(cfg, started).run()
+        report = run()
     except BaseException as exc:
-        report = ProducerReport(errors=[f"producer crashed: {exc!r}"])
-    results.put(("producer", report))
+        report = crashed([f"{kind} crashed: {exc!r}"])
+    results.put((kind, report))
+
+
+def _producer_main(cfg: ProducerConfig, started: Any, results: multiprocessing.Queue[Any]) -> None:
+    put_report(results, "producer", lambda: _Producer(cfg, started).run(), lambda e: ProducerReport(errors=e))
+
+
+# --- the asyncio producers' window and pacing (bench/ringq_workloads.py, bench/nats_workloads.py) ----------
+
+
+class WindowSettings(Protocol):
+    """What `AsyncWindowProducer` reads of its producer's config."""
+
+    warmup_s: float
+    measure_s: float
+    rate: float | None  # msgs/s; None: as fast as the confirms allow
+    max_in_flight: int
+    batch: int  # messages sent together at most
+    confirm_grace_s: float
+
+
+class AsyncWindowProducer:
+    """The pika producer's method for an asyncio client: at most `max_in_flight` unconfirmed messages;
+    unthrottled, the window kept full (`batch` messages per send at most); paced, every PACE_TICK_S what has
+    fallen due, each message stamped with its scheduled send time; at the window's end, no more sends and
+    `confirm_grace_s` at most for the outstanding confirms. A subclass connects, sends (`_send`, the keys of
+    `pending`), and reports what its broker confirmed (`settle`, then `counted`)."""
+
+    def __init__(self, cfg: WindowSettings, started: Any, report: ProducerReport) -> None:
+        self.cfg = cfg
+        self.started_shared = started  # multiprocessing Value('d'): seconds, set at time zero
+        self.report = report
+        # key (sequence number + 1, as a publisher seq starts at 1) -> (sequence number, send stamp)
+        self.pending: dict[int, tuple[int, int]] = {}
+        self.next_seq = 0
+        self.space = asyncio.Event()  # set when confirms free room in the window (or when finishing)
+        self.all_confirmed = asyncio.Event()
+        self.finishing = False
+        self.done = False
+        self.interval_ns = NS / cfg.rate if cfg.rate else 0.0
+
+    def start(self) -> asyncio.Future[None]:
+        """Time zero is now: the window starts; returns the task that ends it."""
+        self.report.start_window(time.monotonic_ns(), self.cfg.warmup_s, self.cfg.measure_s, self.started_shared)
+        return asyncio.ensure_future(self._finish())
+
+    async def _send(self, keys: list[int]) -> None:
+        """Send these messages of `pending` (the subclass's broker)."""
+        raise NotImplementedError
+
+    def _finished(self) -> None:
+        """The run is over (the window ended and the confirms came, or the grace passed)."""
+
+    def settle(self, key: int) -> tuple[int, int] | None:
+        """A confirm (or a refusal) for `key` came: its (sequence number, stamp), None if it was not pending."""
+        return self.pending.pop(key, None)
+
+    def counted(self, count: int, now_ns: int) -> None:
+        """`count` of the settled messages were confirmed at `now_ns`; the window has room again."""
+        self.report.count_confirms(count, now_ns)
+        self.space.set()
+        if not self.pending:
+            self.all_confirmed.set()
+
+    def _take(self, count: int, stamp: int | None) -> list[int]:
+        """Number the next `count` messages and put them in the window; `stamp` None: each one's scheduled time."""
+        keys = []
+        for _ in range(count):
+            seq = self.next_seq
+            self.next_seq += 1
+            sent = stamp if stamp is not None else self.report.started_ns + int(seq * self.interval_ns)
+            self.pending[seq + 1] = (seq, sent)
+            keys.append(seq + 1)
+        return keys
+
+    async def produce(self) -> None:
+        """Send new messages until the window ends: unthrottled or paced."""
+        if self.cfg.rate is None:
+            await self._fill()
+        else:
+            await self._pace()
+
+    async def _fill(self) -> None:
+        while not self.finishing:
+            room = self.cfg.max_in_flight - len(self.pending)
+            if room <= 0:
+                self.space.clear()
+                await self.space.wait()
+                continue
+            await self._send(self._take(min(self.cfg.batch, room), time.monotonic_ns()))
+
+    async def _pace(self) -> None:
+        assert self.cfg.rate is not None
+        while not self.finishing:
+            due = int((time.monotonic_ns() - self.report.started_ns) / NS * self.cfg.rate) + 1
+            while self.next_seq < due and len(self.pending) < self.cfg.max_in_flight:
+                count = min(self.cfg.batch, due - self.next_seq, self.cfg.max_in_flight - len(self.pending))
+                await self._send(self._take(count, None))
+            self.report.behind_schedule = max(0, due - self.next_seq)
+            await asyncio.sleep(PACE_TICK_S)
+
+    async def _finish(self) -> None:
+        await asyncio.sleep(max(0.0, (self.report.window_end_ns - time.monotonic_ns()) / NS))
+        self.finishing = True
+        self.space.set()
+        if self.pending:
+            self.all_confirmed.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.all_confirmed.wait(), self.cfg.confirm_grace_s)
+        self.done = True
+        self._finished()
 
 
 # --- consumer (runs in its own process) ---------------------------------------------------
@@ -396,6 +542,7 @@ class ConsumerConfig:
     ports: list[int]
     queue: str
     prefetch: int = PREFETCH
+    acks: AckPolicy = EACH
     drain: bool = False  # after stop: keep consuming until idle_s without a delivery (at most drain_s)
     idle_s: float = 1.5
     drain_s: float = 30.0
@@ -409,11 +556,53 @@ class ConsumerReport:
     seqs: array[int] = field(default_factory=lambda: array("q"))
     redelivered_flags: array[int] = field(default_factory=lambda: array("b"))  # per delivery: 1 if redelivered
     redelivered: int = 0
+    acks_sent: int = 0  # acknowledgements sent (one may cover many deliveries)
     reconnects: int = 0
     cancels: int = 0
     cpu_s: float = 0.0
     wall_s: float = 0.0
     errors: list[str] = field(default_factory=list)
+
+    def record(self, body: bytes, now_ns: int, redelivered: bool) -> None:
+        """A delivery taken at `now_ns`: its sequence number and send time (from the body), its flag."""
+        seq, sent = HEADER.unpack_from(body)
+        self.received_ns.append(now_ns)
+        self.sent_ns.append(sent)
+        self.seqs.append(seq)
+        self.redelivered_flags.append(1 if redelivered else 0)
+        if redelivered:
+            self.redelivered += 1
+
+
+class StopWhen:
+    """When a consumer ends after the parent's `stop`: at once, or with `drain` once `idle_s` passed without a
+    delivery (`drain_s` after the stop at most)."""
+
+    def __init__(self, stop: multiprocessing.synchronize.Event, drain: bool, idle_s: float, drain_s: float) -> None:
+        self.stop = stop
+        self.drain = drain
+        self.idle_s = idle_s
+        self.drain_s = drain_s
+        self.stop_seen_at: float | None = None
+        self.last_delivery = time.monotonic()
+
+    def delivered(self) -> None:
+        self.last_delivery = time.monotonic()
+
+    def stopping(self) -> bool:
+        """True once the parent has said stop (remembering when it was first seen)."""
+        if not self.stop.is_set():
+            return False
+        if self.stop_seen_at is None:
+            self.stop_seen_at = time.monotonic()
+        return True
+
+    def finished(self) -> bool:
+        if not self.stopping():
+            return False
+        assert self.stop_seen_at is not None
+        now = time.monotonic()
+        return not self.drain or now - self.last_delivery > self.idle_s or now - self.stop_seen_at > self.drain_s
 
 
 class _Consumer(_PikaClient):
@@ -429,8 +618,8 @@ class _Consumer(_PikaClient):
         self.connection: Any = None
         self.channel: Any = None
         self.done = False
-        self.stop_seen_at: float | None = None
-        self.last_delivery = time.monotonic()
+        self.until = StopWhen(stop, cfg.drain, cfg.idle_s, cfg.drain_s)
+        self.acks = AckTimer(cfg.acks, self._call_later, self._ack)
 
     def run(self) -> ConsumerReport:
         wall0, cpu0 = time.monotonic(), _cpu_seconds()
@@ -454,9 +643,9 @@ class _Consumer(_PikaClient):
             if time.monotonic() - lost_since > self.cfg.give_up_s:
                 self.report.errors.append(f"gave up reconnecting after {self.cfg.give_up_s:.0f} s")
                 break
-            if self.stop.is_set():
-                self.stop_seen_at = self.stop_seen_at or time.monotonic()
-                if not self.cfg.drain or time.monotonic() - self.stop_seen_at > self.cfg.drain_s:
+            if self.until.stopping():
+                assert self.until.stop_seen_at is not None
+                if not self.cfg.drain or time.monotonic() - self.until.stop_seen_at > self.cfg.drain_s:
                     break
             index += 1
             self.report.reconnects += 1
@@ -467,6 +656,7 @@ class _Consumer(_PikaClient):
 
     def _on_channel(self, channel: Any) -> None:
         self.channel = channel
+        self.acks.reset()  # delivery tags start again on a new channel
         channel.add_on_close_callback(self._on_channel_closed)
         channel.add_on_cancel_callback(self._on_cancelled)
         channel.basic_qos(prefetch_count=self.cfg.prefetch, callback=lambda _frame: self._consume())
@@ -483,35 +673,30 @@ class _Consumer(_PikaClient):
         self.connection.ioloop.call_later(0.1, self._consume)
 
     def _on_message(self, channel: Any, method: Any, _properties: Any, body: bytes) -> None:
-        now = time.monotonic_ns()
-        seq, sent = HEADER.unpack_from(body)
-        report = self.report
-        report.received_ns.append(now)
-        report.sent_ns.append(sent)
-        report.seqs.append(seq)
-        report.redelivered_flags.append(1 if method.redelivered else 0)
-        if method.redelivered:
-            report.redelivered += 1
-        channel.basic_ack(method.delivery_tag)
-        self.last_delivery = time.monotonic()
+        self.report.record(body, time.monotonic_ns(), method.redelivered)
+        self.acks.delivered(method.delivery_tag)
+        self.until.delivered()
+
+    def _call_later(self, delay: float, callback: Callable[[], None]) -> None:
+        self.connection.ioloop.call_later(delay, callback)
+
+    def _ack(self, ack: Ack) -> None:
+        channel = self.channel
+        if channel is not None and channel.is_open:
+            channel.basic_ack(ack.tag, multiple=ack.multiple)
+            self.report.acks_sent += 1
 
     def _check_stop(self) -> None:
-        now = time.monotonic()
-        if self.stop.is_set():
-            if self.stop_seen_at is None:
-                self.stop_seen_at = now
-            finished = (
-                not self.cfg.drain
-                or now - self.last_delivery > self.cfg.idle_s
-                or now - self.stop_seen_at > self.cfg.drain_s
-            )
-            if finished:
-                self.done = True
-                if self.connection.is_open:
-                    self.connection.close()
-                else:
-                    self.connection.ioloop.stop()
-                return
+        if self.until.finished():
+            ack = self.acks.batching.flush()
+            if ack is not None:
+                self._ack(ack)
+            self.done = True
+            if self.connection.is_open:
+                self.connection.close()
+            else:
+                self.connection.ioloop.stop()
+            return
         self.connection.ioloop.call_later(0.05, self._check_stop)
 
 
@@ -521,11 +706,7 @@ def _consumer_main(
     stop: multiprocessing.synchronize.Event,
     results: multiprocessing.Queue[Any],
 ) -> None:
-    try:
-        report = _Consumer(cfg, ready, stop).run()
-    except BaseException as exc:
-        report = ConsumerReport(errors=[f"consumer crashed: {exc!r}"])
-    results.put(("consumer", report))
+    put_report(results, "consumer", lambda: _Consumer(cfg, ready, stop).run(), lambda e: ConsumerReport(errors=e))
 
 
 # --- orchestration (the parent process) -------------------------------------------------
@@ -609,54 +790,36 @@ def _await_start(started: Any, process: SpawnProcess, timeout: float = 30.0) -> 
     return float(started.value)
 
 
-def _broker_cpu_percent(cluster: RabbitCluster, started_s: float, warmup_s: float, measure_s: float) -> float:
-    """The nodes' CPU use over the measured window, in % of one core (200% = both cores here)."""
-    time.sleep(max(0.0, started_s + warmup_s - time.monotonic()))
-    cpu0, t0 = cluster.cpu_seconds(), time.monotonic()
-    time.sleep(max(0.0, started_s + warmup_s + measure_s - time.monotonic()))
+CpuClock = Callable[[], float]  # CPU seconds all of a system's server processes have used so far
+
+
+def broker_cores(cpu_seconds: CpuClock, from_s: float, to_s: float) -> float:
+    """The cores a system's servers used from `from_s` to `to_s` (CLOCK_MONOTONIC seconds; sleeps until each)."""
+    time.sleep(max(0.0, from_s - time.monotonic()))
+    cpu0, t0 = cpu_seconds(), time.monotonic()
+    time.sleep(max(0.0, to_s - time.monotonic()))
     elapsed = time.monotonic() - t0
-    return 100 * (cluster.cpu_seconds() - cpu0) / elapsed if elapsed > 0 else 0.0
+    return (cpu_seconds() - cpu0) / elapsed if elapsed > 0 else 0.0
 
 
-def run_w1(cluster: RabbitCluster, durations: Durations, queue: str = "bench.w1") -> WorkloadResult:
-    """One producer, confirms with up to 1000 in flight, nobody consuming: confirmed msgs/s."""
-    prepare_queue(cluster, queue)
+ProducerMain = Callable[[Any, Any, "multiprocessing.Queue[Any]"], None]
+ConsumerMain = Callable[..., None]  # (cfg, ready, stop, results)
+
+
+def run_producer(main: ProducerMain, cfg: Any, cpu_seconds: CpuClock, durations: Durations) -> tuple[Any, float]:
+    """W1's processes: the producer `main(cfg, started, results)` alone; its report and the brokers' cores."""
     results: multiprocessing.Queue[Any] = _CTX.Queue()
     started = _CTX.Value("d", 0.0)
-    cfg = ProducerConfig(_ports_from(cluster, 0), queue, durations.warmup_s, durations.measure_s)
-    producer = _CTX.Process(target=_producer_main, args=(cfg, started, results), name="w1-producer")
+    producer = _CTX.Process(target=main, args=(cfg, started, results), name="w1-producer")
     producer.start()
     try:
         started_s = _await_start(started, producer)
-        broker_cpu = _broker_cpu_percent(cluster, started_s, durations.warmup_s, durations.measure_s)
-        report: ProducerReport = _collect(results, {"producer"}, durations.warmup_s + durations.measure_s + 60)[
-            "producer"
-        ]
+        window = started_s + durations.warmup_s
+        cores = broker_cores(cpu_seconds, window, window + durations.measure_s)
+        report = _collect(results, {"producer"}, durations.warmup_s + durations.measure_s + 60)["producer"]
     finally:
         _join([producer])
-        delete_queue(cluster, queue)
-    rate = report.confirmed_in_window / durations.measure_s
-    notes = [
-        f"{report.confirmed_in_window} confirmed in {durations.measure_s:g} s after {durations.warmup_s:g} s warm-up",
-        _cpu_note("producer", report.cpu_s, report.wall_s),
-        f"brokers CPU {broker_cpu:.0f}%",
-    ]
-    if report.nacked:
-        notes.append(f"{report.nacked} nacked")
-    if report.errors:
-        notes.append("errors: " + "; ".join(report.errors[:3]))
-    return WorkloadResult(
-        name="W1",
-        rate=rate,
-        notes=", ".join(n for n in notes if n),
-        details={
-            "confirmed": report.confirmed,
-            "published": report.published,
-            "producer_cpu_s": round(report.cpu_s, 3),
-            "producer_wall_s": round(report.wall_s, 3),
-            "brokers_cpu_percent": round(broker_cpu, 1),
-        },
-    )
+    return report, cores
 
 
 @dataclass
@@ -667,7 +830,112 @@ class _RunOutcome:
     killed_node: str = ""
     master_before: str = ""
     master_after: str = ""
-    broker_cpu_percent: float | None = None
+    broker_cores: float | None = None
+
+
+@dataclass
+class _KillInfo:
+    node: str
+    at_ns: int
+
+
+@dataclass
+class PairSpec:
+    """What W2 and W3 run: a consumer, then a producer, each `main` in its own process."""
+
+    producer_main: ProducerMain
+    producer_cfg: Any
+    consumer_main: ConsumerMain
+    consumer_cfg: Any
+    cpu_seconds: CpuClock
+    warmup_s: float
+    measure_s: float
+    drain_s: float = 30.0
+    subscribe_timeout_s: float = 30.0
+
+
+def run_pair(spec: PairSpec, on_started: Callable[[float], _KillInfo | None] | None = None) -> _RunOutcome:
+    """Start the consumer, wait until it is subscribed, start the producer; measure the brokers' cores over
+    the window (with `on_started`, which kills a node at the end of the warm-up: from its return to the
+    window's end); collect both reports (the consumer's after the parent's stop, and its drain)."""
+    results: multiprocessing.Queue[Any] = _CTX.Queue()
+    ready, stop = _CTX.Event(), _CTX.Event()
+    started = _CTX.Value("d", 0.0)
+    consumer = _CTX.Process(target=spec.consumer_main, args=(spec.consumer_cfg, ready, stop, results), name="consumer")
+    producer = _CTX.Process(target=spec.producer_main, args=(spec.producer_cfg, started, results), name="producer")
+    kill: _KillInfo | None = None
+    got: dict[str, Any] = {}
+    try:
+        consumer.start()
+        if not ready.wait(spec.subscribe_timeout_s):
+            raise RuntimeError(f"the consumer did not subscribe within {spec.subscribe_timeout_s:g} s")
+        producer.start()
+        started_s = _await_start(started, producer)
+        window_end = started_s + spec.warmup_s + spec.measure_s
+        if on_started is not None:
+            kill = on_started(started_s)
+            cores = broker_cores(spec.cpu_seconds, time.monotonic(), window_end)
+        else:
+            cores = broker_cores(spec.cpu_seconds, started_s + spec.warmup_s, window_end)
+        got = _collect(results, {"producer"}, spec.warmup_s + spec.measure_s + 120)
+        stop.set()
+        got.update(_collect(results, {"consumer"}, spec.drain_s + 60))
+    finally:
+        stop.set()
+        _join([consumer, producer])
+    outcome = _RunOutcome(producer=got["producer"], consumer=got["consumer"], broker_cores=cores)
+    if kill is not None:
+        outcome.killed_at_ns = kill.at_ns
+        outcome.killed_node = kill.node
+    return outcome
+
+
+def _cores_note(cores: float | None) -> str:
+    return f"brokers {cores or 0:.2f} cores"
+
+
+def w1_result(
+    report: ProducerReport,
+    durations: Durations,
+    cores: float,
+    extra_notes: Sequence[str] = (),
+    extra_details: dict[str, Any] | None = None,
+) -> WorkloadResult:
+    """The W1 result record from the producer's report (shared by every system's workloads)."""
+    notes = [
+        f"{report.confirmed_in_window} confirmed in {durations.measure_s:g} s after {durations.warmup_s:g} s warm-up",
+        _cpu_note("producer", report.cpu_s, report.wall_s),
+        _cores_note(cores),
+    ]
+    if report.nacked:
+        notes.append(f"{report.nacked} nacked")
+    notes.extend(extra_notes)
+    if report.errors:
+        notes.append("errors: " + "; ".join(report.errors[:3]))
+    return WorkloadResult(
+        name=workload_name("w1"),
+        rate=report.confirmed_in_window / durations.measure_s,
+        broker_cores=cores,
+        notes=", ".join(n for n in notes if n),
+        details={
+            "confirmed": report.confirmed,
+            "published": report.published,
+            "producer_cpu_s": round(report.cpu_s, 3),
+            "producer_wall_s": round(report.wall_s, 3),
+            **(extra_details or {}),
+        },
+    )
+
+
+def run_w1(cluster: RabbitCluster, durations: Durations, queue: str = "bench.w1") -> WorkloadResult:
+    """One producer, confirms with up to 1000 in flight, nobody consuming: confirmed msgs/s."""
+    prepare_queue(cluster, queue)
+    cfg = ProducerConfig(_ports_from(cluster, 0), queue, durations.warmup_s, durations.measure_s)
+    try:
+        report, cores = run_producer(_producer_main, cfg, cluster.cpu_seconds, durations)
+    finally:
+        delete_queue(cluster, queue)
+    return w1_result(report, durations, cores)
 
 
 def _run_pair(
@@ -679,56 +947,28 @@ def _run_pair(
     rate: float | None,
     drain: bool,
     record_confirmed: bool,
+    acks: AckPolicy,
     drain_s: float = 30.0,
     on_started: Callable[[float], _KillInfo | None] | None = None,
 ) -> _RunOutcome:
     master_before = cluster.queue_info(queue).master
-    master = cluster.node_index(master_before)
-    ports = _ports_from(cluster, master)
-    results: multiprocessing.Queue[Any] = _CTX.Queue()
-    ready, stop = _CTX.Event(), _CTX.Event()
-    started = _CTX.Value("d", 0.0)
-    consumer_cfg = ConsumerConfig(ports, queue, drain=drain, drain_s=drain_s)
-    producer_cfg = ProducerConfig(ports, queue, warmup_s, measure_s, rate=rate, record_confirmed=record_confirmed)
-    consumer = _CTX.Process(target=_consumer_main, args=(consumer_cfg, ready, stop, results), name="consumer")
-    producer = _CTX.Process(target=_producer_main, args=(producer_cfg, started, results), name="producer")
-    processes = [consumer, producer]
-    kill: _KillInfo | None = None
-    broker_cpu: float | None = None
-    try:
-        consumer.start()
-        if not ready.wait(30):
-            raise RuntimeError(f"the consumer did not subscribe to {queue} within 30 s")
-        producer.start()
-        started_s = _await_start(started, producer)
-        if on_started is not None:
-            kill = on_started(started_s)
-        else:
-            broker_cpu = _broker_cpu_percent(cluster, started_s, warmup_s, measure_s)
-        got = _collect(results, {"producer"}, warmup_s + measure_s + 120)
-        stop.set()
-        got.update(_collect(results, {"consumer"}, drain_s + 60))
-    finally:
-        stop.set()
-        _join(processes)
-    outcome = _RunOutcome(
-        producer=got["producer"],
-        consumer=got["consumer"],
-        master_before=master_before,
-        broker_cpu_percent=broker_cpu,
+    ports = _ports_from(cluster, cluster.node_index(master_before))
+    spec = PairSpec(
+        producer_main=_producer_main,
+        producer_cfg=ProducerConfig(ports, queue, warmup_s, measure_s, rate=rate, record_confirmed=record_confirmed),
+        consumer_main=_consumer_main,
+        consumer_cfg=ConsumerConfig(ports, queue, acks=acks, drain=drain, drain_s=drain_s),
+        cpu_seconds=cluster.cpu_seconds,
+        warmup_s=warmup_s,
+        measure_s=measure_s,
+        drain_s=drain_s,
     )
-    if kill is not None:
-        outcome.killed_at_ns = kill.at_ns
-        outcome.killed_node = kill.node
+    outcome = run_pair(spec, on_started)
+    outcome.master_before = master_before
+    if outcome.killed_at_ns is not None:
         with contextlib.suppress(Exception):
             outcome.master_after = cluster.queue_info(queue).master
     return outcome
-
-
-@dataclass
-class _KillInfo:
-    node: str
-    at_ns: int
 
 
 def _latencies_ms(consumer: ConsumerReport, start_ns: int, end_ns: int) -> list[float]:
@@ -751,16 +991,25 @@ def run_w2(
     *,
     rate: float | None = None,
     queue: str = "bench.w2",
+    acks: AckPolicy = BATCHED,
+    name: str | None = None,
 ) -> WorkloadResult:
     """Producer and consumer at once (prefetch 1000, manual acks): delivered msgs/s and latency p50/p99."""
     prepare_queue(cluster, queue)
     try:
         run = _run_pair(
-            cluster, queue, durations.warmup_s, durations.measure_s, rate=rate, drain=False, record_confirmed=False
+            cluster,
+            queue,
+            durations.warmup_s,
+            durations.measure_s,
+            rate=rate,
+            drain=False,
+            record_confirmed=False,
+            acks=acks,
         )
     finally:
         delete_queue(cluster, queue)
-    return w2_result(run, durations, rate)
+    return w2_result(run, durations, rate, name=name, extra_notes=[acks.describe()])
 
 
 def w2_result(
@@ -769,20 +1018,20 @@ def w2_result(
     rate: float | None,
     extra_notes: Sequence[str] = (),
     extra_details: dict[str, Any] | None = None,
+    name: str | None = None,
 ) -> WorkloadResult:
-    """The W2 result record from a producer/consumer run (shared by both brokers' workloads)."""
+    """The W2 result record from a producer/consumer run (shared by every system's workloads)."""
     producer, consumer = run.producer, run.consumer
     start, end = producer.window_start_ns, producer.window_end_ns
     delivered = sum(1 for t in consumer.received_ns if start <= t < end)
     latencies = _latencies_ms(consumer, start, end)
-    name = "W2" if rate is None else f"W2@{rate:g}/s"
     notes = [
         f"{delivered} delivered in {durations.measure_s:g} s after {durations.warmup_s:g} s warm-up",
         f"confirmed {producer.confirmed_in_window / durations.measure_s:.0f}/s",
         *extra_notes[:1],
         _cpu_note("producer", producer.cpu_s, producer.wall_s),
         _cpu_note("consumer", consumer.cpu_s, consumer.wall_s),
-        f"brokers CPU {run.broker_cpu_percent or 0:.0f}%",
+        _cores_note(run.broker_cores),
     ]
     if rate is not None and producer.behind_schedule:
         notes.append(f"producer {producer.behind_schedule} msgs behind schedule at the end")
@@ -791,21 +1040,22 @@ def w2_result(
     if errors:
         notes.append("errors: " + "; ".join(errors[:3]))
     return WorkloadResult(
-        name=name,
+        name=name or (workload_name("w2") if rate is None else workload_name("w2rate", rate)),
         rate=delivered / durations.measure_s,
         p50_ms=percentile(latencies, 0.50) if latencies else None,
         p99_ms=percentile(latencies, 0.99) if latencies else None,
         duplicates=len(consumer.seqs) - len(set(consumer.seqs)),
+        broker_cores=run.broker_cores,
         notes=", ".join(n for n in notes if n),
         details={
             "delivered_in_window": delivered,
             "confirmed_in_window": producer.confirmed_in_window,
             "published": producer.published,
+            "acks_sent": consumer.acks_sent,
             "target_rate": rate if rate is not None else "unbounded",
             **(extra_details or {}),
             "producer_cpu_s": round(producer.cpu_s, 3),
             "consumer_cpu_s": round(consumer.cpu_s, 3),
-            "brokers_cpu_percent": round(run.broker_cpu_percent or 0, 1),
         },
     )
 
@@ -816,6 +1066,7 @@ def run_w3(
     *,
     rate: float = FIXED_RATE,
     queue: str = "bench.w3",
+    acks: AckPolicy = EACH,
 ) -> WorkloadResult:
     """W2 at a fixed rate, SIGKILL the master's node: seconds without service, messages lost, duplicates."""
     prepare_queue(cluster, queue)
@@ -835,12 +1086,15 @@ def run_w3(
             rate=rate,
             drain=True,
             record_confirmed=True,
+            acks=acks,
             drain_s=durations.drain_s,
             on_started=kill_master,
         )
     finally:
         delete_queue(cluster, queue)
-    return _w3_result(run, rate, durations)
+    result = _w3_result(run, rate, durations)
+    result.notes += f", {acks.describe()}"
+    return result
 
 
 def _w3_result(run: _RunOutcome, rate: float, durations: Durations) -> WorkloadResult:
@@ -873,6 +1127,7 @@ def _w3_result(run: _RunOutcome, rate: float, durations: Durations) -> WorkloadR
         f"reconnects: producer {producer.reconnects}, consumer {consumer.reconnects}",
         f"republished {producer.republished}, redelivered {consumer.redelivered} ({redelivered_unseen} first seen)",
         f"{producer.sequence_numbers} published, {len(confirmed)} confirmed, {len(delivered)} delivered",
+        f"surviving brokers {run.broker_cores or 0:.2f} cores from the kill to the window's end",
     ]
     if producer.nacked:
         notes.append(f"{producer.nacked} nacked")
@@ -889,6 +1144,7 @@ def _w3_result(run: _RunOutcome, rate: float, durations: Durations) -> WorkloadR
         gap_s=gap_ns / NS,
         lost=lost,
         duplicates=duplicates,
+        broker_cores=run.broker_cores,
         notes=", ".join(notes),
         details={
             "killed_node": run.killed_node,
@@ -910,7 +1166,43 @@ def _w3_result(run: _RunOutcome, rate: float, durations: Durations) -> WorkloadR
 
 # --- everything, one run -------------------------------------------------------------------
 
-WORKLOADS = ("w1", "w2", "w2rate", "w3")
+WORKLOADS = ("w1", "w2", "w2each", "w2rate", "w3")  # W3 last: it kills a node
+# Each workload's consumer's acknowledgements (W1 has no consumer): batched where users configure for
+# throughput; one per message beside it, and in W3, whose duplicates must be the broker's.
+WORKLOAD_ACKS = {"w2": BATCHED, "w2each": EACH, "w2rate": BATCHED, "w3": EACH}
+
+
+def workload_name(key: str, rate: float = FIXED_RATE) -> str:
+    """The name a workload's results carry ("W1", "W2", "W2 ack each", "W2@2000/s", "W3@2000/s")."""
+    names = {"w1": "W1", "w2": "W2", "w2each": "W2 ack each", "w2rate": f"W2@{rate:g}/s", "w3": f"W3@{rate:g}/s"}
+    return names[key]
+
+
+def queue_steps(
+    w1: Callable[..., WorkloadResult],
+    w2: Callable[..., WorkloadResult],
+    w3: Callable[..., WorkloadResult],
+    durations: Durations,
+    rate: float,
+    prefix: str,
+) -> dict[str, Callable[[], WorkloadResult]]:
+    """A queue broker's workloads by key, from its run_w1, run_w2 and run_w3 (bound to its cluster): each
+    with its acknowledgements (`WORKLOAD_ACKS`) on a queue of its own (`prefix` + key)."""
+    return {
+        "w1": lambda: w1(durations),
+        "w2": lambda: w2(durations, acks=WORKLOAD_ACKS["w2"]),
+        "w2each": lambda: w2(
+            durations, queue=f"{prefix}w2each", acks=WORKLOAD_ACKS["w2each"], name=workload_name("w2each")
+        ),
+        "w2rate": lambda: w2(durations, rate=rate, queue=f"{prefix}w2rate", acks=WORKLOAD_ACKS["w2rate"]),
+        "w3": lambda: w3(durations, rate=rate, acks=WORKLOAD_ACKS["w3"]),
+    }
+
+
+def check_workloads(only: Sequence[str], supported: Sequence[str] = WORKLOADS) -> None:
+    unknown = set(only) - set(supported)
+    if unknown:
+        raise ValueError(f"unknown workloads {sorted(unknown)}; choose from {', '.join(supported)}")
 
 
 @dataclass
@@ -923,6 +1215,10 @@ class ReferenceReport:
     setup: str
     results: list[WorkloadResult]
 
+    @property
+    def version(self) -> str:
+        return f"RabbitMQ {self.rabbitmq_version} on Erlang/OTP {self.erlang_version}"
+
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
@@ -930,35 +1226,32 @@ class ReferenceReport:
 def run_reference(
     *,
     quick: bool = False,
+    durations: Durations | None = None,
     only: Sequence[str] = WORKLOADS,
     rate: float = FIXED_RATE,
     progress: Callable[[str], None] | None = None,
 ) -> ReferenceReport:
     """Start a 3-node cluster, run the chosen workloads (W3 last: it kills a node), stop the cluster."""
-    unknown = set(only) - set(WORKLOADS)
-    if unknown:
-        raise ValueError(f"unknown workloads {sorted(unknown)}; choose from {WORKLOADS}")
-    durations = Durations.quick() if quick else Durations()
+    check_workloads(only)
+    durations = durations or (Durations.quick() if quick else Durations())
     say = progress or (lambda _message: None)
     results: list[WorkloadResult] = []
     say("starting a 3-node RabbitMQ cluster on 127.0.0.1")
     with RabbitCluster(3) as cluster:
         say(f"RabbitMQ {cluster.version} on Erlang/OTP {cluster.erlang_version}: {', '.join(cluster.node_names)}")
-        steps: list[tuple[str, Callable[[], WorkloadResult]]] = [
-            ("w1", lambda: run_w1(cluster, durations)),
-            ("w2", lambda: run_w2(cluster, durations)),
-            ("w2rate", lambda: run_w2(cluster, durations, rate=rate, queue="bench.w2rate")),
-            ("w3", lambda: run_w3(cluster, durations, rate=rate)),
-        ]
-        for key, step in steps:
+        steps = queue_steps(
+            partial(run_w1, cluster), partial(run_w2, cluster), partial(run_w3, cluster), durations, rate, "bench."
+        )
+        for key in WORKLOADS:
             if key in only:
                 say(f"running {key}")
-                results.append(step())
+                results.append(steps[key]())
         setup = (
             f"{cluster.size} nodes on 127.0.0.1, classic queues mirrored by policy "
             f"{HA_POLICY_NAME} {json.dumps(HA_POLICY)}; pika {pika.__version__} SelectConnection, "
             f"producer and consumer in separate processes; {PAYLOAD_SIZE}-byte transient bodies; "
-            f"confirms <= {MAX_IN_FLIGHT} in flight; prefetch {PREFETCH}, one ack per message"
+            f"confirms <= {MAX_IN_FLIGHT} in flight; prefetch {PREFETCH}; {BATCHED.describe()} "
+            f"(W2 ack each and W3: {EACH.describe()})"
         )
         return ReferenceReport(
             rabbitmq_version=cluster.version,
