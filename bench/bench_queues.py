@@ -400,11 +400,11 @@ def method_text(run: Run) -> str:
         f"transient bodies carrying a sequence number and a send timestamp, 3 replicas, confirms (NATS: "
         f"JetStream publish acks) with at most 1000 outstanding, prefetch 1000 (NATS: a pull consumer with 1000 "
         f"requested and max_ack_pending 1000); ringq's and RabbitMQ's consumers acknowledge through one shared "
-        f"policy (bench/ack_batching.py): {BATCHED.describe()} in W2 and W2 at the fixed rate, {EACH.describe()} "
-        f'in "W2 one ack per message" and W3 (so that a W3 duplicate is the broker\'s); a NATS consumer with '
-        f"explicit acks acknowledges each message. Only confirms and deliveries inside the measured window count "
-        f"({d.warmup_s:g} s warm-up, {d.measure_s:g} s measured); at the fixed rate, latency runs from each "
-        f"message's scheduled send time. Brokers' CPU: all of the system's server processes together (ringq: "
+        f"policy (bench/ack_batching.py): batched ({BATCHED.describe()}) in W2 and W2 at the fixed rate, "
+        f'{EACH.describe()} in "W2 one ack per message" and W3 (so that a W3 duplicate is the broker\'s); a NATS '
+        f"consumer with explicit acks acknowledges each message. Only confirms and deliveries inside the measured "
+        f"window count ({d.warmup_s:g} s warm-up, {d.measure_s:g} s measured); at the fixed rate, latency runs "
+        f"from each message's scheduled send time. Brokers' CPU: all of the system's server processes together (ringq: "
         f"3 nodes and the coordinator), cores used over the measured window. W3 is W2 at the fixed rate with "
         f"the master's node SIGKILLed {d.w3_warmup_s:g} s in ({d.w3_after_kill_s:g} s more of sending): gap = "
         f"longest time without a delivery from 1 s before the kill, lost = confirmed but never delivered, "
@@ -552,7 +552,8 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--rate", type=float, default=FIXED_RATE, help="the fixed rate of W2@rate and W3, msgs/s")
     defaults = Durations()
-    parser.add_argument("--quick", action="store_true", help="short durations (quick's defaults, below)")
+    quick = "0.5 s warm-up, 1.5 s measured, W3 killed 1 s in and 4 s after, 15 s drain"
+    parser.add_argument("--quick", action="store_true", help=f"short durations ({quick}); the flags below override")
     parser.add_argument(
         "--warmup", type=float, help=f"seconds before the measured window (default {defaults.warmup_s:g})"
     )
