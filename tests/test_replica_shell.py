@@ -64,3 +64,39 @@ def test_the_replica_does_not_decode_its_own_broadcasts(caplog: pytest.LogCaptur
             assert "malformed report" in caplog.text  # another member's is
 
     asyncio.run(scenario())
+
+
+def test_a_record_update_for_a_deleted_queue_leaves_no_unretrieved_exception(caplog: pytest.LogCaptureFixture) -> None:
+    """Found by make bench: a record update racing the queue's deletion raised NOT_FOUND into a task
+    nobody awaited; every node then printed "Task exception was never retrieved" with a traceback."""
+    import grpc
+
+    from services.queue.replica_core import UpdateRecord
+
+    class _Gone(grpc.aio.AioRpcError):
+        def __init__(self) -> None:
+            super().__init__(grpc.StatusCode.NOT_FOUND, grpc.aio.Metadata(), grpc.aio.Metadata(), "no such queue")
+
+    class _DeletedHost(_Host):
+        async def update_record(
+            self, record: QueueRecord, change: Callable[[QueueRecord], QueueRecord | None]
+        ) -> QueueRecord:
+            raise _Gone()
+
+    async def scenario() -> None:
+        unretrieved: list[Any] = []
+        asyncio.get_running_loop().set_exception_handler(lambda loop, context: unretrieved.append(context))
+        replica = QueueReplica(_DeletedHost(), QueueRecord("/", "q", master="node1", gm_group="queue.x"))
+        with caplog.at_level(logging.DEBUG, logger="ringq.queue"):
+            replica._spawn(replica._update_record(UpdateRecord(lambda record: record, "mark a mirror")))
+            while replica._tasks:
+                await asyncio.sleep(0.01)
+        assert "record update (mark a mirror) failed: NOT_FOUND" in caplog.text
+        assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+        del replica
+        import gc
+
+        gc.collect()
+        assert not unretrieved
+
+    asyncio.run(scenario())

@@ -20,6 +20,8 @@ import time
 from collections import deque
 from collections.abc import Awaitable, Callable
 
+import grpc
+
 from ringq import tracing
 from services import failpoints
 from services.coordinator.metadata import QueueRecord
@@ -375,7 +377,22 @@ class QueueReplica:
             self._execute(self.core.on_ring_confirmed(last, now_ms()))
 
     async def _update_record(self, update: UpdateRecord) -> None:
-        record = await self.host.update_record(self.core.record, update.change)
+        try:
+            record = await self.host.update_record(self.core.record, update.change)
+        except grpc.aio.AioRpcError as error:
+            # Nobody awaits this task: an exception raised here was only "never retrieved" at exit. A queue
+            # deleted meanwhile is normal (its replicas stop when the record's deletion reaches them);
+            # anything else is logged, and the core is not told (it asks again only on its next change).
+            level = logging.DEBUG if error.code() == grpc.StatusCode.NOT_FOUND else logging.WARNING
+            log.log(
+                level,
+                "queue %s: record update (%s) failed: %s %s",
+                self.record.name,
+                update.purpose,
+                error.code().name,
+                error.details(),
+            )
+            return
         if not self.stopped:
             self._execute(self.core.on_record(record, now_ms()))
 
