@@ -75,7 +75,7 @@ def test_a_record_update_for_a_deleted_queue_leaves_no_unretrieved_exception(cap
 
     class _Gone(grpc.aio.AioRpcError):
         def __init__(self) -> None:
-            super().__init__(grpc.StatusCode.NOT_FOUND, grpc.aio.Metadata(), grpc.aio.Metadata(), "no such queue")
+            super().__init__(grpc.StatusCode.NOT_FOUND, grpc.aio.Metadata(), grpc.aio.Metadata(), "no such queue", None)
 
     class _DeletedHost(_Host):
         async def update_record(
