@@ -10,6 +10,8 @@
 #   make bench-tracing  W1 with tracing off against a commit without the tracing hooks
 #   make bench-security W1 and W2 with TLS and authentication beside plaintext
 #   make bench-streams  ordered streams: ringq vs a RabbitMQ quorum queue vs NATS JetStream (R3, file), updates docs/benchmarks.md
+#   make soak     W2 at 10,000 msgs/s for 30 minutes, every node's RSS each minute, updates docs/benchmarks.md
+#   make bench-scale  W1 by replicas, many queues (and their idle CPU), body sizes, memory per queued message, updates docs/benchmarks.md
 SHELL := /bin/bash
 PYTHON ?= python3
 VENV := .venv
@@ -25,7 +27,7 @@ BUF_VERSION := 1.75.0
 BUF := $(VENV)/buf/node_modules/.bin/buf
 PROTO_RELEASE := protos/releases/v0.2.binpb
 
-.PHONY: all setup wheels setup-node setup-zookeeper setup-rabbitmq protos lint lint-k8s test sim sim-queues demo demo-ring bench bench-gm bench-tracing bench-security bench-streams bench-reference setup-nats clean
+.PHONY: all setup wheels setup-node setup-zookeeper setup-rabbitmq protos lint lint-k8s test sim sim-queues demo demo-ring bench bench-gm bench-tracing bench-security bench-streams bench-reference setup-nats soak bench-scale clean
 
 all: test
 
@@ -147,6 +149,16 @@ bench-streams: setup setup-rabbitmq setup-nats
 
 bench-gm: setup
 	$(PY) -m bench.bench_gm --write docs/benchmarks.md
+
+# Issue 13's memory goal: W2 at a fixed 10,000 msgs/s for 30 minutes (about 33 minutes in all) against 3 nodes
+# with default settings; RSS flat within 10 % after warm-up. Shorter: $(PY) -m bench.soak --minutes N.
+soak: setup
+	$(PY) -m bench.soak --write docs/benchmarks.md
+
+# Scale figures (about 10 minutes): W1 with 1/2/3/5 replicas, 1/100/1,000 queues (throughput, idle CPU),
+# 256 B/64 KiB/1 MiB bodies, memory per queued message (1,000,000 in one queue). See --help for shorter runs.
+bench-scale: setup
+	$(PY) -m bench.bench_scale --write docs/benchmarks.md
 
 clean:
 	rm -rf $(VENV) $(GEN) clients/python/ringq/internal .pytest_cache .mypy_cache .ruff_cache *.egg-info \
