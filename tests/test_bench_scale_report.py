@@ -34,14 +34,12 @@ def test_queues_are_dealt_round_robin_to_at_most_as_many_producers() -> None:
     assert [len(h) for h in hands] == [334, 333, 333]
 
 
-def test_the_window_is_shared_evenly_and_requests_stay_small_enough() -> None:
-    assert window(1, 256) == bench_scale.Window(per_queue=1000, batch=100)  # W1's shape
-    assert window(34, 256) == bench_scale.Window(per_queue=29, batch=29)
-    assert window(334, 256) == bench_scale.Window(per_queue=2, batch=2)
-    assert window(5000, 256) == bench_scale.Window(per_queue=1, batch=1)  # never nothing in flight
-    assert window(1, 64 * KIB) == bench_scale.Window(per_queue=1000, batch=64)  # 4 MiB a request
-    assert window(1, MIB) == bench_scale.Window(per_queue=64, batch=4)  # 64 MiB in flight
-    assert window(1, 16 * MIB) == bench_scale.Window(per_queue=4, batch=1)
+def test_one_window_serves_every_queue_and_requests_stay_small_enough() -> None:
+    assert window(1, 256) == bench_scale.Window(total=1000, batch=100)  # W1's shape
+    assert window(334, 256) == bench_scale.Window(total=1000, batch=100)  # full requests, queue after queue
+    assert window(1, 64 * KIB) == bench_scale.Window(total=1000, batch=64)  # 4 MiB a request
+    assert window(1, MIB) == bench_scale.Window(total=64, batch=4)  # 64 MiB in flight
+    assert window(1, 16 * MIB) == bench_scale.Window(total=4, batch=1)
     with pytest.raises(ValueError):
         window(0, 256)
 
