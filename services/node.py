@@ -827,7 +827,15 @@ async def _serve(
     # Clients' calls that need the coordinator retry for seconds, not for as long as it takes.
     client_calls = CoordinatorClient(coordinator, retry_seconds=CLIENT_CALL_RETRY_SECONDS, dialer=dialer)
     queue_servicer = QueueServicer(
-        node.id, queues, client_calls, node.address_of, node.peer_channel, node.memory.wait_clear, address, access
+        node.id,
+        queues,
+        client_calls,
+        node.address_of,
+        node.peer_channel,
+        node.memory.wait_clear,
+        address,
+        access,
+        node_down=node.links.refused,
     )
     queue_pb2_grpc.add_QueueServiceServicer_to_server(queue_servicer, client_server)
     stream_shell = StreamShell(

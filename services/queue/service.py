@@ -58,6 +58,9 @@ MAX_DELIVERIES_PER_RESPONSE = 256
 MAX_RESPONSE_BODY_BYTES = 1024 * 1024
 # How long a call waits for a master replica of this node that is starting (a queue just declared) to serve.
 MASTER_STARTING_WAIT_S = 5.0
+# How long a call for a queue whose master's node is known dead (its port refuses) waits here for the records
+# to name the promoted master, instead of sending the client away to try another node later.
+FAILOVER_WAIT_S = 2.0
 _Context = grpc.aio.ServicerContext[Any, Any]
 _Answer = TypeVar("_Answer")
 _T = TypeVar("_T")
@@ -171,8 +174,11 @@ class QueueServicer(queue_pb2_grpc.QueueServiceServicer):
         memory_clear: Callable[[], Awaitable[None]] | None = None,
         address: str = "",
         access: AccessGuard = OPEN,
+        node_down: Callable[[str], bool] = lambda node: False,
     ) -> None:
         self.node_id = node_id
+        # Whether a node is known dead here (this node's link to it found its port refusing connections).
+        self.node_down = node_down
         # Who may do what (enforced with TLS): every call is authenticated and authorised first.
         self.access = access
         # Where clients reach this node (QueueInfo.master_address of the queues it masters).
@@ -202,6 +208,8 @@ class QueueServicer(queue_pb2_grpc.QueueServiceServicer):
         if local is not None and local.is_master:
             return local, None, local.record  # no coordinator round trip on the hot path
         record = await self._record(ref)
+        if record.master and record.master != self.node_id and self.node_down(record.master):
+            record = await self._after_failover(ref, record)
         if record.master == self.node_id:
             replica = self.manager.local(record.vhost, record.name) or await self.manager.ensure(record)
             if replica is not None and not replica.is_master:
@@ -215,6 +223,16 @@ class QueueServicer(queue_pb2_grpc.QueueServiceServicer):
         if address is None:
             raise Refused(grpc.StatusCode.UNAVAILABLE, f"queue {record.name!r} has no master now; retry")
         return None, queue_pb2_grpc.QueueServiceStub(self.channel_to(record.master, address)), record
+
+    async def _after_failover(self, ref: queue_pb2.QueueRef, record: QueueRecord) -> QueueRecord:
+        """The record's master is on a node known dead: a mirror is being promoted. Wait (FAILOVER_WAIT_S at
+        most) for the records to name the new master and route to it. Answering UNAVAILABLE at once sent the
+        client to try node after node, 50 ms apart, dead ones included: deliveries resumed 0.18 s after a
+        master's SIGKILL where the promotion took 0.06 s."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self.manager.master_moved(record.vhost, record.name, record.master), FAILOVER_WAIT_S)
+            return await self._record(ref)
+        return record
 
     async def _route(
         self, ref: queue_pb2.QueueRef, context: _Context, operation: Operation, *, stream_group_ok: bool = False
