@@ -28,7 +28,7 @@ class _Manager:
     def local(self, vhost: str, name: str) -> None:
         return None  # this node (node3) hosts no master of it
 
-    async def master_moved(self, vhost: str, name: str, master: str) -> str:
+    async def master_moved(self, vhost: str, name: str, master: str, version: int = 0) -> str:
         while self.record.master == master:
             await self.moved.wait()
         return self.record.master
@@ -96,5 +96,29 @@ def test_without_a_promotion_the_wait_ends_and_the_old_record_is_answered(monkey
         manager = _Manager()
         _, _, record = await asyncio.wait_for(_servicer(manager, dead={"node1"})._find(REF), 1)
         assert record.master == "node1"  # the forward then fails and the client retries, as before
+
+    asyncio.run(scenario())
+
+
+def test_a_watch_that_lags_behind_the_coordinator_is_not_taken_for_a_move() -> None:
+    """Found by W3's timeline: a node that routed a consume to the promoted master (read from the
+    coordinator) ended the relayed stream at once, 'its master moved to node1', because its records watch
+    had not brought the promotion yet; the client went on to the dead node and lost 100 ms."""
+    from types import SimpleNamespace
+
+    from services.queue.manager import QueueManager
+
+    async def scenario() -> None:
+        manager = QueueManager(SimpleNamespace(id="node3"), None, "data")  # type: ignore[arg-type]
+        manager._note_master(("/", "q"), "node1", 5)  # the watch, before the promotion
+        moved = asyncio.ensure_future(manager.master_moved("/", "q", "node2", 6))  # routed by record 6
+        await asyncio.sleep(0.02)
+        assert not moved.done()
+        manager._note_master(("/", "q"), "node2", 6)  # the watch catches up: no move
+        manager._note_master(("/", "q"), "node1", 5)  # an older record changes nothing
+        await asyncio.sleep(0.02)
+        assert not moved.done()
+        manager._note_master(("/", "q"), "node3", 7)
+        assert await asyncio.wait_for(moved, 1) == "node3"
 
     asyncio.run(scenario())

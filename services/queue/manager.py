@@ -74,9 +74,9 @@ class QueueManager:
         self.replicas: dict[QueueKey, QueueReplica] = {}
         self._starting: dict[QueueKey, asyncio.Future[QueueReplica | None]] = {}
         self._tasks: set[asyncio.Future[None]] = set()
-        # Where every queue's master is, as the record watch last said (placed here or not),
-        # and an event set (then replaced) whenever a master moves.
-        self.masters: dict[QueueKey, str] = {}
+        # Where every queue's master is (placed here or not) and the version of the record that named it, as
+        # the record watch last said, and an event set (then replaced) whenever a master moves.
+        self.masters: dict[QueueKey, tuple[str, int]] = {}
         self._master_moved = asyncio.Event()
         self.forward_publish: Callable[[QueueRecord, list[Publish]], Awaitable[None]] | None = None
         # Set once every queue the first full listing placed here has had its replica started (joined to its
@@ -149,7 +149,7 @@ class QueueManager:
     async def ensure(self, record: QueueRecord) -> QueueReplica | None:
         """Run a replica of `record` here if it names this node; returns it (None if not placed here)."""
         key = (record.vhost, record.name)
-        self._note_master(key, record.master)
+        self._note_master(key, record.master, record.version)
         placed_here = self.node_id == record.master or self.node_id in record.mirrors
         replica = self.replicas.get(key)
         if replica is not None:
@@ -184,18 +184,25 @@ class QueueManager:
         finally:
             del self._starting[key]
 
-    def _note_master(self, key: QueueKey, master: str) -> None:
-        if self.masters.get(key) != master:
-            self.masters[key] = master
+    def _note_master(self, key: QueueKey, master: str, version: int) -> None:
+        known = self.masters.get(key)
+        if known is not None and version < known[1]:
+            return  # an older record than the one known
+        self.masters[key] = (master, version)
+        if known is None or known[0] != master:
             self._master_moved.set()
             self._master_moved = asyncio.Event()
 
-    async def master_moved(self, vhost: str, name: str, master: str) -> str:
-        """Return (the new master) once the records say the queue's master is no longer `master`."""
+    async def master_moved(self, vhost: str, name: str, master: str, version: int = 0) -> str:
+        """Return (the new master) once the records say the queue's master is no longer `master`, in a record
+        at least as new as `version` (the one that named `master`): a caller that read a newer record from the
+        coordinator than the watch has brought here yet must not take the watch's older master for a move."""
         key = (vhost, name)
-        while self.masters.get(key, master) == master:
+        while True:
+            known = self.masters.get(key)
+            if known is not None and known[0] != master and known[1] >= version:
+                return known[0]
             await self._master_moved.wait()
-        return self.masters.get(key, "")
 
     def replica_stopped(self, replica: QueueReplica) -> None:
         """A replica stopped by itself: recreate it (with back-off) if the record still places it here."""

@@ -230,7 +230,8 @@ class QueueServicer(queue_pb2_grpc.QueueServiceServicer):
         client to try node after node, 50 ms apart, dead ones included: deliveries resumed 0.18 s after a
         master's SIGKILL where the promotion took 0.06 s."""
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self.manager.master_moved(record.vhost, record.name, record.master), FAILOVER_WAIT_S)
+            moved = self.manager.master_moved(record.vhost, record.name, record.master, record.version)
+            await asyncio.wait_for(moved, FAILOVER_WAIT_S)
             return await self._record(ref)
         return record
 
@@ -529,7 +530,8 @@ class QueueServicer(queue_pb2_grpc.QueueServiceServicer):
     def _watch_master(self, record: QueueRecord) -> asyncio.Future[str]:
         """Completes (with the new master) once the records say `record`'s master moved: a stream
         relayed to the old one must end then (its node may be cut off and never answer)."""
-        return asyncio.ensure_future(self.manager.master_moved(record.vhost, record.name, record.master))
+        moved = self.manager.master_moved(record.vhost, record.name, record.master, record.version)
+        return asyncio.ensure_future(moved)
 
     async def _forward_dead_letters(self, record: QueueRecord, items: list[Outgoing]) -> None:
         address = await self.address_of(record.master)
