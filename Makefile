@@ -6,7 +6,7 @@
 #   make sim      run the deterministic ring simulation over SEEDS seeds (default 20000)
 #   make sim-queues  run the deterministic simulation of a mirrored durable queue over SEEDS seeds (default 20000)
 #   make bench-gm measure confirmed-broadcast throughput through a 3-member ring of processes
-#   make bench    ringq mirrored queues vs RabbitMQ classic mirrored queues (W1-W3), updates docs/benchmarks.md
+#   make bench    ringq mirrored queues vs RabbitMQ classic mirrored queues and NATS JetStream R3 (W1-W3), updates docs/benchmarks.md
 #   make bench-tracing  W1 with tracing off against a commit without the tracing hooks
 #   make bench-security W1 and W2 with TLS and authentication beside plaintext
 #   make bench-streams  ordered streams: ringq vs a RabbitMQ quorum queue vs NATS JetStream (R3, file), updates docs/benchmarks.md
