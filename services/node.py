@@ -466,7 +466,7 @@ class Node:
             self._check_quiet_members(now)
         for member_id, suspect in suspects - self._reported:
             self._reported.add((member_id, suspect))
-            self._report_down(member_id, suspect, at_once=False)
+            self._report_down(member_id, suspect)
 
     def _check_quiet_members(self, now: float) -> None:
         """Have members that heard nothing from their ring for a while re-read their group. The group watch
@@ -498,14 +498,12 @@ class Node:
             return "its port refuses connections"
         return None
 
-    def _report_down(self, member_id: str, suspect: str, at_once: bool) -> None:
+    def _report_down(self, member_id: str, suspect: str) -> None:
         """Report `suspect` down for `member_id` if the suspicion holds: a neighbour whose port refuses
         connections at once (its process is gone: waiting tells nothing more, and every millisecond here is
         part of a failover), any other suspect only if it still holds after the grace."""
         found = self._watched_by(member_id, suspect)
-        if found is not None and self.links.refused(found[1].node) and found[1].neighbour:
-            at_once = True
-        if at_once:
+        if found is not None and found[1].neighbour and self.links.refused(found[1].node):
             self._report_if_suspect(member_id, suspect)
             return
         task = asyncio.ensure_future(self._report_after_grace(member_id, suspect))
