@@ -257,7 +257,7 @@ class SpreadConfig:
     warmup_s: float
     measure_s: float
     body_size: int = PAYLOAD_SIZE
-    max_in_flight: int = MAX_IN_FLIGHT  # the process's, shared evenly by its queues
+    max_in_flight: int = MAX_IN_FLIGHT  # the process's, over all its queues
     count: int | None = None  # publish exactly this many, then wait for their confirms (the window ends early)
     confirm_grace_s: float = 3.0
     access: Access = PLAINTEXT
@@ -840,7 +840,8 @@ def setup_text(run: ScaleRun) -> str:
         f"{MAX_IN_FLIGHT} unconfirmed at most, {PUBLISH_BATCH} a request), master on node1. Queues: masters spread "
         f"over the nodes; {run.producers} producer processes (fewer if fewer queues), queues dealt round-robin, "
         f"each process publishing round-robin over its queues (one Publish stream a queue, to its master's node) "
-        f"with its {MAX_IN_FLIGHT} unconfirmed messages shared evenly by its queues; idle CPU of each node process "
+        f"in requests of up to {PUBLISH_BATCH} messages, with {MAX_IN_FLIGHT} unconfirmed at most over all its "
+        f"queues; idle CPU of each node process "
         f"over {run.idle_s:g} s, {SETTLE_S:g} s after the queues were declared and synchronised. Bodies: the same "
         f"producer with one queue; a request holds at most {MAX_REQUEST_BYTES // MIB} MiB of bodies and at most "
         f"{MAX_IN_FLIGHT_BYTES // MIB} MiB are unconfirmed. Brokers cores: the CPU of the nodes and the "

@@ -4,7 +4,8 @@ memory recorded each minute (issue 13 item 4: RSS flat within 10 % after warm-up
 Responsible for: the soak run and its report. The cluster (3 nodes with default node settings and a
 coordinator on 127.0.0.1), the queue (durable, mirrored on every node by the `ha` policy, master on node1)
 and the clients are bench/ringq_workloads.py's: one paced producer with confirms (up to 1000 in flight,
-one Publish stream) and one consumer (prefetch 1000, one ack per message), each in a spawned process,
+one Publish stream) and one consumer (prefetch 1000, acks batched as W2 of `make bench` does: `--ack-each`
+for one ack per message), each in a spawned process,
 here also sharing their running counts with this process. Every minute (`--sample-s`) it records each
 node's RSS (VmRSS of the node's process), the queue's depth, the messages confirmed and delivered so far,
 how far the producer is behind its schedule, and the CPU the nodes used over that minute (cores). At
