@@ -21,6 +21,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from bench.markdown import command_line
 from ringq.group import GroupMembership
 from services import cluster
 
@@ -188,12 +189,7 @@ def main(argv: list[str] | None = None) -> int:
             results.append(result)
     print(table(results))
     if args.write:
-        command = (
-            "make bench-gm"
-            if argv is None and os.environ.get("MAKELEVEL")
-            else "python -m bench.bench_gm " + " ".join(sys.argv[1:])
-        )
-        write_section(args.write, command, results)
+        write_section(args.write, command_line("bench.bench_gm", "bench-gm", argv), results)
         print(f"wrote {args.write}")
     return 0
 

@@ -33,6 +33,7 @@ from typing import Any
 from bench import nats_cluster, nats_workloads
 from bench.ack_batching import BATCHED, EACH
 from bench.bench_gm import machine
+from bench.markdown import command_line
 from bench.reference import rabbitmq_cluster
 from bench.reference.rabbitmq_workloads import (
     FIXED_RATE,
@@ -511,11 +512,6 @@ def _say(side: str) -> Callable[[str], None]:
     return lambda message: print(f"[{side}] {message}", file=sys.stderr, flush=True)
 
 
-def _command(argv: list[str] | None) -> str:
-    if argv is None and os.environ.get("MAKELEVEL"):
-        return "make bench"
-    return "python -m bench.bench_queues " + " ".join(sys.argv[1:] if argv is None else argv)
-
 
 class _StopOnSignal:
     """SIGINT and SIGTERM raise KeyboardInterrupt at once and are remembered.
@@ -630,7 +626,7 @@ def main(argv: list[str] | None = None) -> int:
         print("interrupted: every process this run started has been stopped", file=sys.stderr)
         return 130
     run = Run(
-        command=_command(argv),
+        command=command_line("bench.bench_queues", "bench", argv),
         began=began,
         seconds=time.monotonic() - started,
         load_before=load_before,

@@ -45,7 +45,7 @@ import grpc
 
 from bench.bench_gm import machine
 from bench.bench_queues import _StopOnSignal, markdown_table, text_table
-from bench.markdown import replace_marked
+from bench.markdown import command_line, replace_marked
 from bench.process_stats import MIB, cpu_percent, node_pids, settled_rss
 from bench.reference.rabbitmq_workloads import (
     _CTX,
@@ -891,11 +891,6 @@ def _ints(text: str) -> list[int]:
     return [int(v) for v in text.split(",") if v.strip()]
 
 
-def _command(argv: Sequence[str] | None) -> str:
-    if argv is None and os.environ.get("MAKELEVEL"):
-        return "make bench-scale"
-    return "python -m bench.bench_scale " + " ".join(sys.argv[1:] if argv is None else argv)
-
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.bench_scale", description=__doc__.split("\n\n")[0])
@@ -920,7 +915,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     say: Say = lambda message: print(f"[scale] {message}", file=sys.stderr, flush=True)  # noqa: E731
     version, commit = ringq_version()
     run = ScaleRun(
-        _command(argv),
+        command_line("bench.bench_scale", "bench-scale", argv),
         time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         version,
         commit,

@@ -40,7 +40,7 @@ from typing import Any, Protocol, Self, TypeVar
 
 from bench.bench_gm import machine
 from bench.bench_queues import _StopOnSignal, markdown_table, text_table
-from bench.markdown import replace_marked
+from bench.markdown import command_line, replace_marked
 from bench.reference.rabbitmq_workloads import _CTX, _await_start, _collect, _join
 from bench.stream_clients import (
     CONFIRM_GRACE_S,
@@ -680,11 +680,6 @@ def _load(load: tuple[float, float, float]) -> str:
     return " ".join(f"{x:.2f}" for x in load)
 
 
-def _command(argv: list[str] | None) -> str:
-    if argv is None and os.environ.get("MAKELEVEL"):
-        return "make bench-streams"
-    return "python -m bench.bench_streams " + " ".join(sys.argv[1:] if argv is None else argv)
-
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.bench_streams", description=__doc__.split("\n\n")[0])
@@ -742,7 +737,7 @@ def main(argv: list[str] | None = None) -> int:
         print("interrupted: every process this run started has been stopped", file=sys.stderr)
         return 130
     run = Run(
-        command=_command(argv),
+        command=command_line("bench.bench_streams", "bench-streams", argv),
         began=began,
         seconds=time.monotonic() - started,
         load=load,

@@ -1,8 +1,20 @@
-"""Benchmark results into docs/benchmarks.md: one marked section per benchmark, replaced in place."""
+"""Benchmark results into docs/benchmarks.md: one marked section per benchmark, replaced in place, and the
+command that produced them."""
 
 from __future__ import annotations
 
+import os
+import sys
+from collections.abc import Sequence
 from pathlib import Path
+
+
+def command_line(module: str, make_target: str, argv: Sequence[str] | None) -> str:
+    """The command a section names: `make TARGET` when make ran the benchmark as it is (no arguments of
+    its own), else `python -m MODULE` with the arguments it was given."""
+    if argv is None and os.environ.get("MAKELEVEL"):
+        return f"make {make_target}"
+    return f"python -m {module} " + " ".join(sys.argv[1:] if argv is None else argv)
 
 
 def replace_marked(path: Path, begin: str, end: str, text: str) -> None:

@@ -23,7 +23,6 @@ import asyncio
 import json
 import multiprocessing
 import multiprocessing.synchronize
-import os
 import sys
 import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
@@ -34,7 +33,7 @@ from typing import Any, TypeVar
 from bench.ack_batching import BATCHED, EACH, AckPolicy
 from bench.bench_gm import machine
 from bench.bench_queues import _StopOnSignal, markdown_table, text_table
-from bench.markdown import replace_marked
+from bench.markdown import command_line, replace_marked
 from bench.process_stats import MIB, CpuMeter, node_pids, rss_bytes
 from bench.reference.rabbitmq_workloads import _CTX, MAX_IN_FLIGHT, PAYLOAD_SIZE, PREFETCH, PairSpec, run_pair
 from bench.ringq_workloads import (
@@ -545,11 +544,6 @@ def _progress_line(s: Sample) -> str:
 # --- main -------------------------------------------------------------------------------------------
 
 
-def _command(argv: Sequence[str] | None) -> str:
-    if argv is None and os.environ.get("MAKELEVEL"):
-        return "make soak"
-    return "python -m bench.soak " + " ".join(sys.argv[1:] if argv is None else argv)
-
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.soak", description=__doc__.split("\n\n")[0])
@@ -579,7 +573,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             warmup_minutes=args.warmup_minutes,
             sample_s=args.sample_s,
             acks=EACH if args.ack_each else BATCHED,
-            command=_command(argv),
+            command=command_line("bench.soak", "soak", argv),
             say=lambda message: print(f"[soak] {message}", file=sys.stderr, flush=True),
         )
     except KeyboardInterrupt:
