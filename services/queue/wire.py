@@ -38,20 +38,32 @@ AnyReport = Report | MirrorSays
 
 
 def message_to_proto(message: Message) -> pb.ReplicatedMessage:
-    out = pb.ReplicatedMessage(
-        id=message.id,
-        body=message.body,
-        publisher=message.publisher,
-        publisher_seq=message.publisher_seq,
-        persistent=message.persistent,
-        priority=message.priority,
-        enqueued_at_ms=message.enqueued_at_ms,
-        expires_at_ms=message.expires_at_ms,
-        delivery_count=message.delivery_count,
-    )
-    if message.headers:  # most messages have none; an empty map still costs as much as a full field
-        out.headers.update(message.headers)
+    out = pb.ReplicatedMessage()
+    _fill(out, message)
     return out
+
+
+def _fill(out: pb.ReplicatedMessage, message: Message) -> None:
+    """Set `out`'s fields from `message` in place, only those that differ from their defaults: on the hot
+    paths (one per published message, one per logged one) building a ReplicatedMessage from keyword
+    arguments and copying it into a report took three times as long."""
+    out.id = message.id
+    out.body = message.body
+    if message.publisher:
+        out.publisher = message.publisher
+    if message.publisher_seq:
+        out.publisher_seq = message.publisher_seq
+    if message.persistent:
+        out.persistent = True
+    if message.headers:
+        out.headers.update(message.headers)
+    if message.priority:
+        out.priority = message.priority
+    out.enqueued_at_ms = message.enqueued_at_ms
+    if message.expires_at_ms:
+        out.expires_at_ms = message.expires_at_ms
+    if message.delivery_count:
+        out.delivery_count = message.delivery_count
 
 
 class _Shared:
@@ -84,35 +96,11 @@ def message_from_proto(m: pb.ReplicatedMessage) -> Message:
     )
 
 
-def _encode_enqueue(message: Message) -> bytes:
-    """The hot path, one per published message: the fields are set in place, only those that differ from
-    their defaults (building a ReplicatedMessage and copying it into the report took half as long again)."""
-    out = pb.QueueReport()
-    enqueue = out.enqueue
-    enqueue.id = message.id
-    enqueue.body = message.body
-    if message.publisher:
-        enqueue.publisher = message.publisher
-    if message.publisher_seq:
-        enqueue.publisher_seq = message.publisher_seq
-    if message.persistent:
-        enqueue.persistent = True
-    if message.headers:
-        enqueue.headers.update(message.headers)
-    if message.priority:
-        enqueue.priority = message.priority
-    enqueue.enqueued_at_ms = message.enqueued_at_ms
-    if message.expires_at_ms:
-        enqueue.expires_at_ms = message.expires_at_ms
-    if message.delivery_count:
-        enqueue.delivery_count = message.delivery_count
-    return out.SerializeToString()
-
-
 def encode(report: AnyReport) -> bytes:
-    if isinstance(report, Enqueue):
-        return _encode_enqueue(report.message)
     out = pb.QueueReport()
+    if isinstance(report, Enqueue):  # the hot path: one per published message
+        _fill(out.enqueue, report.message)
+        return out.SerializeToString()
     if isinstance(report, Deliver):
         out.deliver.ids.extend(report.ids)
     elif isinstance(report, Settle):
@@ -130,8 +118,10 @@ def encode(report: AnyReport) -> bytes:
         out.epoch = report.epoch
     elif isinstance(report, SyncBatch):
         out.sync_batch.target = report.target
-        out.sync_batch.ready.extend(message_to_proto(m) for m in report.ready)
-        out.sync_batch.unacked.extend(message_to_proto(m) for m in report.unacked)
+        for m in report.ready:
+            _fill(out.sync_batch.ready.add(), m)
+        for m in report.unacked:
+            _fill(out.sync_batch.unacked.add(), m)
         out.sync_batch.covers_from_id = report.covers_from_id
         out.sync_batch.covers_below_id = report.covers_below_id
         out.sync_batch.kept_ready.extend(report.kept_ready)
