@@ -253,17 +253,25 @@ def kill(directory: Path | str, name: str, sig: int = signal.SIGKILL, *, timeout
     does not); other signals (SIGSTOP, SIGCONT, ...) return once sent. The record keeps the process,
     so `status` shows it dead and `start_node` can start it again.
     """
+    return bool(kill_together(directory, [name], sig, timeout=timeout))
+
+
+def kill_together(
+    directory: Path | str, names: Sequence[str], sig: int = signal.SIGKILL, *, timeout: float = 10.0
+) -> list[str]:
+    """`kill` for several processes at once: every one is signalled before any is waited for, as a power
+    cut or a machine crash stops them, so none outlives another long enough to act on its death (a mirror
+    promoted in the milliseconds between two kills, say). Returns the names that were running."""
     directory = Path(directory).resolve()
     with _locked(directory):
-        process = load(directory).process(name)
-        if not is_alive(process):
-            return False
-        _signal(process, sig)
-        if sig in (signal.SIGKILL, signal.SIGTERM, signal.SIGINT) and not _wait_gone([process], timeout):
-            raise ClusterError(
-                f"{name} (pid {process.pid}) did not exit within {timeout:g} s of {signal.Signals(sig).name}"
-            )
-    return True
+        record = load(directory)
+        running = [process for process in (record.process(name) for name in names) if is_alive(process)]
+        for process in running:
+            _signal(process, sig)
+        if sig in (signal.SIGKILL, signal.SIGTERM, signal.SIGINT) and not _wait_gone(running, timeout):
+            late = ", ".join(f"{p.name} (pid {p.pid})" for p in running if is_alive(p))
+            raise ClusterError(f"{late} did not exit within {timeout:g} s of {signal.Signals(sig).name}")
+    return [process.name for process in running]
 
 
 def start_node(

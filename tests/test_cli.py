@@ -425,6 +425,28 @@ def test_up_kill_and_start_node(cluster_dir: Path, stand_in: list[str]) -> None:
         cluster.load(cluster_dir)
 
 
+def test_kill_together_signals_every_process_before_waiting_for_any(cluster_dir: Path, stand_in: list[str]) -> None:
+    """A whole-cluster crash: no node may outlive another long enough to act on its death (a mirror promoted
+    between two kills). Every process is signalled first, then all are waited for within one timeout."""
+    info = cluster.up(3, cluster_dir, node_command=stand_in)
+    assert cluster.kill_together(cluster_dir, ["node1", "node2"]) == ["node1", "node2"]
+    assert [(p.name, alive) for p, alive in cluster.status(cluster_dir)] == [
+        ("coordinator", True),
+        ("node1", False),
+        ("node2", False),
+        ("node3", True),
+    ]
+    assert cluster.kill_together(cluster_dir, ["node1", "node2"]) == []  # already dead
+    assert running(info.process("node3").pid)
+
+    cluster.down(cluster_dir)
+    cluster.up(2, cluster_dir, node_command=[*stand_in, "--ignore-sigterm"], state=cluster.FRESH)
+    started = time.monotonic()
+    with pytest.raises(cluster.ClusterError, match=r"node1 \(pid \d+\), node2 \(pid \d+\) did not exit within 1 s"):
+        cluster.kill_together(cluster_dir, ["node1", "node2"], signal.SIGTERM, timeout=1)
+    assert 1 <= time.monotonic() - started < 1.9, "one timeout for all, not one after another"
+
+
 def test_up_stops_what_it_started_when_a_node_is_never_ready(cluster_dir: Path, stand_in: list[str]) -> None:
     with pytest.raises(cluster.ClusterError) as failure:
         cluster.up(2, cluster_dir, node_command=[*stand_in, "--never-ready"], timeout=4)

@@ -72,8 +72,7 @@ DRAIN_S = 60.0
 
 
 def _kill_every_node(directory: Path) -> None:
-    for node in NODES:
-        cluster.kill(directory, node, signal.SIGKILL)
+    cluster.kill_together(directory, NODES, signal.SIGKILL)
 
 
 def _restart_every_node(directory: Path) -> cluster.ClusterInfo:

@@ -63,8 +63,7 @@ async def _scenario(directory: Path) -> dict[str, float]:
     await consumer.close()
     await client.close()
 
-    for node in ("node1", "node2", "node3"):
-        cluster.kill(directory, node, signal.SIGKILL)
+    cluster.kill_together(directory, ["node1", "node2", "node3"], signal.SIGKILL)
     restarted = time.monotonic()
     for node in ("node1", "node2", "node3"):
         cluster.start_node(directory, node)
@@ -150,8 +149,7 @@ async def _master_stays_away(directory: Path) -> dict[str, float]:
     assert outcomes == [aio.Outcome.CONFIRMED] * PUBLISHED
     await client.close()
 
-    for node in ("node1", "node2", "node3"):
-        cluster.kill(directory, node, signal.SIGKILL)
+    cluster.kill_together(directory, ["node1", "node2", "node3"], signal.SIGKILL)
     restarted = time.monotonic()
     for node in ("node2", "node3"):  # node1, the master, stays away (its disk is gone, say)
         cluster.start_node(directory, node)

@@ -61,8 +61,7 @@ def test_path_like_and_longest_names_are_ordinary_durable_queues(tmp_path: Path)
         for node in info.nodes:  # each node writes inside its own data directory only
             own = (data / node.name).resolve()
             assert all(path.resolve().is_relative_to(own) for path in own.rglob("*"))
-        for node in info.nodes:
-            cluster.kill(directory, node.name, signal.SIGKILL)
+        cluster.kill_together(directory, [node.name for node in info.nodes], signal.SIGKILL)
         restarted = [cluster.start_node(directory, node.name) for node in info.nodes]
 
         async def drained() -> None:

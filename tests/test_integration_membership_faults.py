@@ -295,13 +295,12 @@ def _logged_dead_since(sizes: dict[Path, int], except_members: set[str]) -> list
 async def _restart_master_first(
     directory: Path, master: str, ports: dict[str, tuple[int, int]], queue: str, messages: int, what: str
 ) -> tuple[cluster.ClusterInfo, aio.Connection, QueueStatus]:
-    """SIGKILL every node; start `master`'s node, wait until its replica has said in the record how far its
+    """SIGKILL every node at once; start `master`'s node, wait until its replica has said in the record how far its
     log goes (it waits for the replicas the record lists as synchronised before one of them recovers the
     queue), start the others; each node on its ports of before (client, cluster). Returns once the queue
     serves every message with both mirrors synchronised: the cluster, a connection to every node, the queue's
     status then."""
-    for name in ports:
-        cluster.kill(directory, name, signal.SIGKILL)
+    cluster.kill_together(directory, list(ports), signal.SIGKILL)
     cluster.start_node(directory, master, port=ports[master][0], cluster_port=ports[master][1])
     restarted = cluster.load(directory)
     admin = aio.Admin(restarted.node_addresses, **access(restarted))
