@@ -28,7 +28,9 @@ import bisect
 import heapq
 from collections.abc import Iterable, Iterator
 
+from services.queue.message_table import MessageTable
 from services.queue.ops import (
+    PERSISTENT_FLAG,
     Deliver,
     Depth,
     Discard,
@@ -77,7 +79,7 @@ class QueueContents:
     """Messages ready for delivery and pending acknowledgement, by id."""
 
     def __init__(self) -> None:
-        self.messages: dict[int, Message] = {}
+        self.messages = MessageTable()  # by id, ascending (a dict cost 42 to 52 bytes a message)
         # Ready ids are the messages not pending acknowledgement (no set of their own: it cost about 60
         # bytes per queued message); the heap orders them and may hold stale ids (see `_prune_stale_heap`).
         self._ready_heap: list[int] = []
@@ -153,10 +155,12 @@ class QueueContents:
             if not self.first_enqueued_id:
                 self.first_enqueued_id = report.message.id
         elif isinstance(report, Deliver):
+            messages, unacked = self.messages, self.unacked
             for message_id in report.ids:
-                if self.is_ready(message_id):
-                    self.unacked.add(message_id)
-                    self.messages[message_id].delivery_count += 1
+                message = messages.get(message_id)
+                if message is not None and message_id not in unacked:
+                    unacked.add(message_id)
+                    message.count_delivery()
         elif isinstance(report, Settle | Discard):
             self._remove(report.ids)
         elif isinstance(report, Requeue):
@@ -215,13 +219,12 @@ class QueueContents:
                 self.unacked.add(message_id)
 
     def _add(self, message: Message, ready: bool) -> None:
-        if message.id in self.messages:
+        if not self.messages.add(message):
             return
-        self.messages[message.id] = message
         if len(self.messages) > self._peak:
             self._peak = len(self.messages)
         self.bytes += len(message.body)
-        if message.persistent:
+        if message.flags & PERSISTENT_FLAG:
             self.persistent_changes += 1
         if message.id > self.max_id:
             self.max_id = message.id
@@ -247,24 +250,22 @@ class QueueContents:
             self._ready_heap = sorted(self._live_ready())  # a sorted list is a heap
 
     def _remove(self, ids: Iterable[int]) -> None:
-        removed = False
-        for message_id in ids:
-            message = self.messages.pop(message_id, None)
-            if message is None:
-                continue
-            removed = True
-            self.bytes -= message.size
-            if message.persistent:
+        removed = self.messages.pop_many(ids)
+        if not removed:
+            return
+        unacked = self.unacked
+        for message in removed:
+            self.bytes -= len(message.body)
+            if message.flags & PERSISTENT_FLAG:
                 self.persistent_changes += 1
-            self.unacked.discard(message_id)
-        if removed:
-            self._prune_stale_heap()
-            self._compact_if_sparse()
+            unacked.discard(message.id)
+        self._prune_stale_heap()
+        self._compact_if_sparse()
 
     def _compact_if_sparse(self) -> None:
         """Rebuild the tables once they hold under a quarter of their peak: the memory of a drained queue
         goes back to the allocator (and most of it to the OS) instead of staying sized for its peak."""
         if self._peak >= COMPACT_FROM and len(self.messages) * 4 < self._peak:
-            self.messages = dict(self.messages)
+            self.messages.compact()
             self.unacked = set(self.unacked)
             self._peak = len(self.messages)

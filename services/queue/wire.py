@@ -14,6 +14,7 @@ from google.protobuf.message import DecodeError
 from ringq.internal.v1 import queue_replication_pb2 as pb
 from services.queue.ops import (
     NO_HEADERS,
+    PERSISTENT_FLAG,
     Deliver,
     Depth,
     Desynchronised,
@@ -53,17 +54,20 @@ def _fill(out: pb.ReplicatedMessage, message: Message) -> None:
         out.publisher = message.publisher
     if message.publisher_seq:
         out.publisher_seq = message.publisher_seq
-    if message.persistent:
+    flags = message.flags
+    if flags & PERSISTENT_FLAG:
         out.persistent = True
-    if message.headers:
-        out.headers.update(message.headers)
-    if message.priority:
-        out.priority = message.priority
-    out.enqueued_at_ms = message.enqueued_at_ms
-    if message.expires_at_ms:
-        out.expires_at_ms = message.expires_at_ms
-    if message.delivery_count:
+    if flags > PERSISTENT_FLAG:
         out.delivery_count = message.delivery_count
+    out.enqueued_at_ms = message.enqueued_at_ms
+    if message.extras is not None:
+        headers, expires_at_ms, priority = message.extras
+        if headers:
+            out.headers.update(headers)
+        if priority:
+            out.priority = priority
+        if expires_at_ms:
+            out.expires_at_ms = expires_at_ms
 
 
 class _Shared:
