@@ -12,6 +12,13 @@ found the resident memory at or above the watermark, so a publisher overshoots i
 node takes in a tenth of a second; while it is on, a measurement first asks the C allocator to return
 freed memory to the system (glibc's malloc_trim, once a second at most), so memory freed by consumers
 counts as freed; nothing is refused or lost: a blocked publisher resumes where it stopped.
+
+It also gives memory back after a large queue drains (`release_due`, pure): once the interpreter's
+allocated blocks have fallen from their peak to half (by at least RELEASE_MIN_BLOCKS), or by at least
+SETTLED_RELEASE_MIN_BLOCKS and then stopped falling (the drain is over), it runs a full collection,
+which also empties the interpreter's free lists (cached tuples, dicts, floats... whose blocks keep
+otherwise empty allocator arenas from going back to the system), then malloc_trim; the peak then
+starts again from there, so a node whose memory does not fall never pays for a collection.
 """
 
 from __future__ import annotations
@@ -19,8 +26,10 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import ctypes.util
+import gc
 import logging
 import os
+import sys
 import time
 
 log = logging.getLogger("ringq.memory")
@@ -30,6 +39,14 @@ MEBIBYTE = 1024 * 1024
 # gone far past the watermark (at 1 s, a single node took 68 MiB of 1 KiB messages past it in a test).
 CHECK_INTERVAL_SECONDS = 0.1
 TRIM_INTERVAL_SECONDS = 1.0  # malloc_trim walks the heap: at most this often
+# Allocated blocks are counted every this many measurements (sys.getallocatedblocks walks the arenas).
+BLOCKS_EVERY_CHECKS = 10
+# A release (see the module docstring) once the blocks fell by at least this many (a queued 256-byte message
+# takes 4: about 120 MiB of them) to half their peak, or by SETTLED_RELEASE_MIN_BLOCKS (about 12 MiB) and
+# then moved less than SETTLED_PERCENT between two counts.
+RELEASE_MIN_BLOCKS = 1_000_000
+SETTLED_RELEASE_MIN_BLOCKS = 100_000
+SETTLED_PERCENT = 1
 # RabbitMQ's default vm_memory_high_watermark: this share of the machine's memory.
 DEFAULT_WATERMARK_SHARE = 0.4
 
@@ -62,6 +79,16 @@ def _trimmer() -> ctypes._NamedFuncPointer | None:
     return trim
 
 
+def release_due(blocks: int, previous_blocks: int, peak_blocks: int) -> bool:
+    """Whether memory freed since the peak is worth a full collection and a trim: half of it gone, and a
+    lot; or enough, and the fall is over (`previous_blocks`: the count before this one)."""
+    fallen = peak_blocks - blocks
+    if fallen >= RELEASE_MIN_BLOCKS and 2 * blocks <= peak_blocks:
+        return True
+    settled = abs(blocks - previous_blocks) * 100 <= previous_blocks * SETTLED_PERCENT
+    return fallen >= SETTLED_RELEASE_MIN_BLOCKS and settled
+
+
 class MemoryMonitor:
     """The resident memory of this node, measured every CHECK_INTERVAL_SECONDS, against its watermark."""
 
@@ -75,6 +102,10 @@ class MemoryMonitor:
         self._clear.set()
         self._trim = _trimmer()
         self._trimmed_at = float("-inf")  # time.monotonic() of the last malloc_trim
+        self._checks = 0
+        self._peak_blocks = 0  # the most allocated blocks seen since the last release
+        self._last_blocks = 0
+        self.releases = 0
 
     @property
     def alarm(self) -> bool:
@@ -100,6 +131,9 @@ class MemoryMonitor:
         if was_on and self._trim is not None and now - self._trimmed_at >= TRIM_INTERVAL_SECONDS:
             self._trimmed_at = now
             self._trim(0)  # give freed memory back, or it would count as used for good
+        self._checks += 1
+        if self._checks % BLOCKS_EVERY_CHECKS == 0:
+            self._release_if_due()
         self.used_bytes = resident_bytes()
         if self.alarm:
             self._clear.clear()
@@ -109,6 +143,28 @@ class MemoryMonitor:
             self._clear.set()
             if was_on:
                 log.info("memory alarm off: %d MiB used on %s", self.used_bytes // MEBIBYTE, self.node_id)
+
+    def _release_if_due(self) -> None:
+        blocks, previous = sys.getallocatedblocks(), self._last_blocks
+        self._last_blocks = blocks
+        peak = self._peak_blocks = max(self._peak_blocks, blocks)
+        if not release_due(blocks, previous, peak):
+            return
+        before, started = resident_bytes(), time.monotonic()
+        gc.collect()  # a full one: it empties the free lists too
+        if self._trim is not None:
+            self._trimmed_at = time.monotonic()
+            self._trim(0)
+        self.releases += 1
+        self._peak_blocks = self._last_blocks = sys.getallocatedblocks()
+        log.info(
+            "memory released after allocated blocks fell from %d to %d: resident %d -> %d MiB (%.0f ms)",
+            peak,
+            blocks,
+            before // MEBIBYTE,
+            resident_bytes() // MEBIBYTE,
+            (time.monotonic() - started) * 1000,
+        )
 
     async def run(self) -> None:
         """Measure every CHECK_INTERVAL_SECONDS until cancelled."""

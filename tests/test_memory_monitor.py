@@ -3,10 +3,19 @@
 from __future__ import annotations
 
 import asyncio
+import sys
 
 import pytest
 
-from services.memory_monitor import MemoryMonitor, memory_alarm, resident_bytes
+from services.memory_monitor import (
+    BLOCKS_EVERY_CHECKS,
+    RELEASE_MIN_BLOCKS,
+    SETTLED_RELEASE_MIN_BLOCKS,
+    MemoryMonitor,
+    memory_alarm,
+    release_due,
+    resident_bytes,
+)
 
 
 @pytest.mark.parametrize(
@@ -36,3 +45,37 @@ def test_the_monitor_blocks_waiters_while_on_and_releases_them_when_off() -> Non
 def test_a_negative_watermark_is_refused() -> None:
     with pytest.raises(ValueError, match=">= 0"):
         MemoryMonitor("node1", -1)
+
+
+@pytest.mark.parametrize(
+    ("blocks", "previous", "peak", "due"),
+    [
+        (0, 0, 0, False),
+        (RELEASE_MIN_BLOCKS, 3 * RELEASE_MIN_BLOCKS, 2 * RELEASE_MIN_BLOCKS, True),  # half gone, a lot, falling
+        (RELEASE_MIN_BLOCKS + 1, 3 * RELEASE_MIN_BLOCKS, 2 * RELEASE_MIN_BLOCKS, False),  # not yet half
+        (10, 500, 1_000, False),  # nine tenths gone, still falling, but too little to be worth a collection
+        (1_000_000, 1_005_000, 1_000_000 + SETTLED_RELEASE_MIN_BLOCKS, True),  # enough gone, settled
+        (1_000_000, 1_050_000, 1_000_000 + SETTLED_RELEASE_MIN_BLOCKS, False),  # still falling
+        (1_000_000, 1_000_000, 1_000_000 + SETTLED_RELEASE_MIN_BLOCKS - 1, False),  # settled, not enough gone
+    ],
+)
+def test_memory_is_released_after_a_large_fall_or_once_a_fall_is_over(
+    blocks: int, previous: int, peak: int, due: bool
+) -> None:
+    assert release_due(blocks, previous, peak) is due
+
+
+def test_the_monitor_releases_memory_after_a_large_drop_and_then_counts_from_there() -> None:
+    monitor = MemoryMonitor("node1", watermark_bytes=0)
+    # enough that their release halves the process's blocks, whatever the tests before left allocated
+    held = [object() for _ in range(max(2 * RELEASE_MIN_BLOCKS, 2 * sys.getallocatedblocks()))]
+    for _ in range(BLOCKS_EVERY_CHECKS):
+        monitor.measure()
+    assert monitor.releases == 0, "nothing fell yet"
+    del held
+    for _ in range(BLOCKS_EVERY_CHECKS):
+        monitor.measure()
+    assert monitor.releases == 1, "the drop was released"
+    for _ in range(BLOCKS_EVERY_CHECKS):
+        monitor.measure()
+    assert monitor.releases == 1, "the peak starts again from the released level"
