@@ -149,6 +149,10 @@ NODE_SERVICES = tuple(
 )
 
 
+# The least a member listed in its group waits for its joining Catchup (see Node.join_timeout).
+JOIN_TIMEOUT_FLOOR_SECONDS = 1.0
+
+
 @dataclass(frozen=True)
 class NodeSettings:
     """Timers of a node; every one is a flag of `ringq node`."""
@@ -198,6 +202,9 @@ class Node:
         self.coordinator = coordinator
         self.settings = settings
         self.flush_interval = settings.flush_interval
+        # A joining Catchup comes within milliseconds; one lost with a stale link never comes (ring.py,
+        # hard case 9). Twice the failure timeout leaves a slow adder its time.
+        self.join_timeout = max(JOIN_TIMEOUT_FLOOR_SECONDS, 2 * settings.failure_timeout)
         self.incarnation = uuid.uuid4().hex
         self.links = LinkManager(
             node_id,

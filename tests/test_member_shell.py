@@ -14,6 +14,7 @@ from services.gm.ring import RingMember
 
 class NoHost:
     flush_interval = 0.002
+    join_timeout = 1.0
 
     def neighbours_changed(self) -> None:
         pass

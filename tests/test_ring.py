@@ -367,3 +367,38 @@ def test_a_view_from_the_group_watch_reaches_a_newcomer_waiting_for_its_adder() 
     choosing.start()
     choosing.on_group(h.group)  # it reads the table itself while it chooses whom to join through
     assert choosing.on_group_watched(h.group) == []
+
+
+def test_a_newcomer_whose_joining_catchup_is_lost_behind_a_later_newcomer_rejoins() -> None:
+    """Hard case 9 (found by tests/test_partition_integrity.py): b's joining Catchup is lost with a stale
+    link; c joins right of a too, so the Catchup a re-sends on reconnecting goes to c. b would wait for
+    ever, and the ring with it; the shell's join timer makes it give up its id and join again."""
+    h = Harness()
+    h.ring("a")
+    h.start("b", via="a")
+    assert h.drop("a", "b") == 1, "the joining Catchup, lost"
+    h.start("c", via="a")  # ring a -> c -> b -> a
+    h.run("a", h.cores["a"].resend_catchup())  # the link to b's node came back: a's right is c now
+    h.pump()
+    assert h.seen["c"].joined is not None and h.seen["b"].joined is None, "b is stuck without its state"
+    h.broadcast("a", b"x")
+    h.pump()
+    assert h.seen["a"].confirmed == 0, "nothing passes b: the ring is stuck"
+
+    h.run("b", h.cores["b"].join_catchup_overdue())
+    stopped = h.seen["b"].stopped
+    assert stopped is not None and stopped.rejoin and "no joining Catchup from a" in stopped.reason
+    assert not next(m for m in h.group.members if m.id == "b").alive
+    for member in "ca":  # the group watch tells them of the new view
+        h.run(member, h.cores[member].check_membership())
+    h.pump()
+    assert h.seen["a"].confirmed == 1, "the ring healed round b"
+    assert h.seen["c"].delivered["a"] == [b"x"]
+
+
+def test_the_join_timer_does_nothing_to_a_member_that_joined_or_is_not_listed_yet() -> None:
+    h = Harness()
+    h.ring("a", "b")
+    assert h.cores["b"].join_catchup_overdue() == [], "joined: it has its state"
+    lone = RingMember("g", "z", "node-z")
+    assert lone.join_catchup_overdue() == [], "not started"

@@ -364,8 +364,10 @@ class LinkManager:
             # peer's dial: the link would stay down meanwhile and each side find the other silent.
             # Nor may a dial that has waited longer than a tie takes (one begun during a partition
             # waits out TCP's connect while the peer, healed, dials us): the peer's dial is let in.
+            log.debug("link to %s: its dial refused, ours is in flight", hello.node)
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"{self.node} is dialling {hello.node}")
         if link.active and link.stop_stream is not None:
+            log.debug("link to %s: its dial replaces the stream we held", hello.node)
             # A peer dials only when it has no stream with us: the one we hold is dead at its end (it
             # restarted, or it gave that stream up during a partition that has healed since, while ours
             # still looked alive). Refusing the new one would leave frames going into the old one, lost.
@@ -399,6 +401,7 @@ class LinkManager:
             cancel()
 
         link.stop_stream = stop
+        log.debug("link to %s: stream %d up (peer incarnation %s)", link.peer, link.streams, hello.incarnation)
         if reconnected:
             self.on_reconnect(link.peer)
         try:
@@ -409,6 +412,7 @@ class LinkManager:
                 with contextlib.suppress(BaseException):
                     await task
             reassembler.release()
+            log.debug("link to %s: a stream ended (replaced: %s)", link.peer, link.stop_stream is not stop)
             if link.stop_stream is stop:  # else a newer stream replaced this one: the link is its now
                 link.active = False
                 link.stop_stream = None

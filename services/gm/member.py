@@ -31,6 +31,7 @@ from services.coordinator.group_table import Group, GroupChange, MarkMemberDead,
 from services.gm.messages import (
     Action,
     AddOnRightReply,
+    Catchup,
     ChooseLeft,
     Confirmed,
     Deliver,
@@ -65,6 +66,9 @@ class MemberHost(Protocol):
     """What a member needs from the node hosting it."""
 
     flush_interval: float
+    # How long a member the group table lists may wait for its joining Catchup before it gives up its id
+    # and joins again (services/gm/ring.py, hard case 9); checked again every as long until it joined.
+    join_timeout: float
 
     async def read_group(self, group: str) -> Group: ...
 
@@ -145,6 +149,7 @@ class MemberShell:
         self._join_attempts = 0
         self._calls: set[asyncio.Future[tuple[int, list[Action]]]] = set()
         self._flush_armed = False
+        self._join_timer_armed = False
         # Told of every ring message this member receives, with the node it came from
         # (the queue layer's ring-hop spans); None: nobody is told.
         self.ring_observer: Callable[[RingMessage, str], None] | None = None
@@ -280,6 +285,14 @@ class MemberShell:
         core = self.core
         group = core.group_name
         if isinstance(action, SendRight):
+            if isinstance(action.message.body, Catchup):
+                log.debug(
+                    "member %s: Catchup to %s on %s (joining: %s)",
+                    self.id,
+                    action.message.receiver,
+                    action.node,
+                    action.message.body.joining,
+                )
             self.host.send_ring_message(action.node, action.message)
         elif isinstance(action, Deliver | MembersChanged):
             self.events(action)
@@ -385,6 +398,20 @@ class MemberShell:
             self.post(lambda core: core.on_join_failed(left, down_evidence=None))
         else:
             self.post(lambda core: core.on_join_reply(group))
+            self._arm_join_timer()
+
+    def _arm_join_timer(self) -> None:
+        if not self._join_timer_armed:
+            self._join_timer_armed = True
+            asyncio.get_running_loop().call_later(self.host.join_timeout, self._join_timer_due)
+
+    def _join_timer_due(self) -> None:
+        """Added but not joined yet after the join timeout: the joining Catchup may be lost (hard case 9)."""
+        self._join_timer_armed = False
+        if self.joined.is_set() or self.stopped is not None:
+            return
+        self.post(lambda core: core.join_catchup_overdue())
+        self._arm_join_timer()
 
     def _end_join_request(self) -> None:
         if self.join_request is not None:

@@ -109,6 +109,16 @@ Hard cases (each is a test in tests/sim)
    is a member this one added; a member that has joined treats it as any
    Catchup.
 
+9. That re-sent Catchup goes to the adder's right neighbour, and by then
+   that may be another newcomer, added on the adder's right after the first
+   (a partition heals and every node's replica joins through the one
+   survivor at once): the first newcomer would wait for ever, and the ring
+   with it, since nothing passes a member that has no state. So a newcomer
+   whose joining Catchup has not come within the shell's join timeout
+   (`join_catchup_overdue`) gives up its id as when its adder dies: it
+   records itself dead and rejoins under a new id (found in a partition
+   test: tests/test_partition_integrity.py).
+
 Invariants (asserted by the simulator after every step)
 -------------------------------------------------------
 - Every dead member in a view is inherited by exactly one live member.
@@ -419,6 +429,17 @@ class RingMember:
         actions = self.flush()
         self._intents.append(_Intent("leave", "left the group"))
         return actions + self._next_write()
+
+    def join_catchup_overdue(self) -> list[Action]:
+        """The shell's join timer fired (hard case 9): if this member is in the group but has no
+        starting state yet, its adder's joining Catchup was lost; record ourselves dead and rejoin."""
+        self._expect_no_io()
+        if self.stopped or self.publishers is not None or self._adder is None or self.view is None:
+            return []
+        if self.id not in self.view.live or any(intent.kind == "abandon" for intent in self._intents):
+            return []  # not added yet (the join request is still the shell's business), or given up already
+        self._intents = [_Intent("abandon", f"join interrupted: no joining Catchup from {self._adder}")]
+        return self._next_write()
 
     def check_membership(self) -> list[Action]:
         """Nothing came from the ring for a while: re-read the table. A member
@@ -799,8 +820,9 @@ class RingMember:
         return actions + self._stop("left")
 
     def _stop(self, reason: str, rejoin: bool = False) -> list[Action]:
-        if any(intent.kind == "abandon" for intent in self._intents):
-            reason, rejoin = "join interrupted: the member adding us died", True
+        abandoned = next((intent for intent in self._intents if intent.kind == "abandon"), None)
+        if abandoned is not None:
+            reason, rejoin = abandoned.reason, True
         self.stopped = Stopped(reason, rejoin)
         self._intents = []
         return [self.stopped]
