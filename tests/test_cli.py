@@ -445,6 +445,7 @@ def test_kill_together_signals_every_process_before_waiting_for_any(cluster_dir:
     with pytest.raises(cluster.ClusterError, match=r"node1 \(pid \d+\), node2 \(pid \d+\) did not exit within 1 s"):
         cluster.kill_together(cluster_dir, ["node1", "node2"], signal.SIGTERM, timeout=1)
     assert 1 <= time.monotonic() - started < 1.9, "one timeout for all, not one after another"
+    assert cluster.kill_together(cluster_dir, ["node1", "node2"]) == ["node1", "node2"]  # SIGKILL stops them
 
 
 def test_up_stops_what_it_started_when_a_node_is_never_ready(cluster_dir: Path, stand_in: list[str]) -> None:
