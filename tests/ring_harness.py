@@ -1,6 +1,7 @@
 """A hand-stepped harness for ring unit tests: cores joined by in-memory FIFO
 links and an in-memory group table, with every message held until a test
-delivers it (or drops it). Deterministic: no randomness, no clock."""
+delivers it (or drops it), and every flush timer held until a test fires it
+(`flush`) or the ring is quiet (`pump`). Deterministic: no randomness, no clock."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from services.gm.messages import (
     RequestAddOnRight,
     RingMessage,
     SendRight,
+    StartFlushTimer,
     Stopped,
     WriteGroup,
 )
@@ -46,6 +48,7 @@ class Harness:
         self.seen: dict[str, Seen] = {}
         self.links: dict[tuple[str, str], deque[RingMessage]] = {}
         self.dead: set[str] = set()
+        self.flush_due: set[str] = set()  # members whose flush timer is armed
 
     # -------------------------------------------------------------- building
 
@@ -87,6 +90,8 @@ class Harness:
                 seen.deaths += action.deaths
             elif isinstance(action, Stopped):
                 seen.stopped = action
+            elif isinstance(action, StartFlushTimer):
+                self.flush_due.add(member)
             elif isinstance(action, ReadGroup):
                 pending[:0] = core.on_group(self.group)
             elif isinstance(action, WriteGroup):
@@ -113,14 +118,26 @@ class Harness:
         queue.clear()
         return count
 
+    def flush(self, member: str) -> None:
+        """`member`'s flush timer fires (it must be armed)."""
+        assert member in self.flush_due, f"{member} has no flush timer armed"
+        self.flush_due.discard(member)
+        if member not in self.dead:
+            self.run(member, self.cores[member].flush())
+
     def pump(self, limit: int = 10_000) -> None:
-        """Deliver every message in flight, round robin over links, until quiet."""
+        """Deliver every message in flight, round robin over links, and fire the flush timers armed
+        whenever nothing is in flight, until quiet."""
         for _ in range(limit):
             busy = [link for link, queue in self.links.items() if queue]
-            if not busy:
+            if busy:
+                for sender, receiver in busy:
+                    self.deliver_one(sender, receiver)
+            elif self.flush_due:
+                for member in sorted(self.flush_due):
+                    self.flush(member)
+            else:
                 return
-            for sender, receiver in busy:
-                self.deliver_one(sender, receiver)
         raise AssertionError("the ring did not settle")
 
     def broadcast(self, member: str, *bodies: bytes) -> int:

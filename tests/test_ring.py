@@ -168,8 +168,10 @@ def test_an_acknowledgement_lost_in_flight_is_reissued() -> None:
     h.ring("a", "b", "c")  # a -> b -> c -> a
     h.broadcast("b", b"p")
     for link in [("b", "c"), ("c", "a"), ("a", "b")]:
-        h.deliver_one(*link)  # p went round; b now sends ack(1) to c
-    h.deliver_one("b", "c")  # c saw ack(1) and passes it to a...
+        h.deliver_one(*link)  # p went round; b's ack(1) waits for a frame to ride on
+    h.flush("b")  # none came: b's flush timer sends it to c
+    h.deliver_one("b", "c")  # c saw ack(1) and, on its flush timer, passes it to a...
+    h.flush("c")
     assert h.drop("c", "a") == 1  # ...but that frame is lost
     h.crash("b")
     h.notice_death("a", "b")  # a's new right is c: a sends c a Catchup
@@ -402,3 +404,43 @@ def test_the_join_timer_does_nothing_to_a_member_that_joined_or_is_not_listed_ye
     assert h.cores["b"].join_catchup_overdue() == [], "joined: it has its state"
     lone = RingMember("g", "z", "node-z")
     assert lone.join_catchup_overdue() == [], "not started"
+
+
+def _frames(h: Harness, sender: str, receiver: str) -> list[list[PublisherActivity]]:
+    return [m.body.entries for m in h.links.get((sender, receiver), []) if isinstance(m.body, Activity)]
+
+
+def test_an_acknowledgement_rides_on_the_next_frame_going_right() -> None:
+    """Protocol: acknowledgements ride along. Under steady traffic the ack round costs no frame of its own."""
+    h = Harness()
+    h.ring("a", "b", "c")  # a -> b -> c -> a
+    h.broadcast("a", b"x")
+    for link in [("a", "b"), ("b", "c"), ("c", "a")]:
+        h.deliver_one(*link)
+    assert h.seen["a"].confirmed == 1, "the confirm does not wait for the acknowledgement"
+    assert _frames(h, "a", "b") == [] and "a" in h.flush_due, "ack(1) waits, a flush timer armed"
+    h.broadcast("a", b"y")  # the next publication carries it
+    assert _frames(h, "a", "b") == [[PublisherActivity("a", 2, [b"y"], 1)]]
+    h.deliver_one("a", "b")
+    assert _frames(h, "b", "c") == [[PublisherActivity("a", 2, [b"y"], 1)]], "b forwards both in one entry"
+    publishers = h.cores["b"].publishers
+    assert publishers is not None and publishers["a"].pending.first_seq == 2, "b forgot x"
+    h.pump()
+    for member in "abc":
+        publishers = h.cores[member].publishers
+        assert publishers is not None and not len(publishers["a"].pending), "the flush timers retire the rest"
+
+
+def test_with_no_frame_to_ride_on_an_acknowledgement_waits_for_the_whole_interval() -> None:
+    h = Harness()
+    h.ring("a", "b")
+    actions = h.cores["a"].broadcast([b"x"])[1]
+    h.run("a", actions)
+    h.deliver_one("a", "b")
+    returned = h.cores["a"].on_message(h.links[("b", "a")].popleft())
+    assert [type(a).__name__ for a in returned] == ["Confirmed", "StartFlushTimer"]
+    assert returned[-1] == StartFlushTimer(acks_only=True), "the shell must not flush it at once"
+    h.run("a", returned)
+    h.flush("a")
+    assert _frames(h, "a", "b") == [[PublisherActivity("a", 2, [], 1)]]
+    assert h.cores["a"].flush() == [], "nothing left to send"

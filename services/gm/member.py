@@ -148,7 +148,8 @@ class MemberShell:
         self._join_noted_at = 0.0
         self._join_attempts = 0
         self._calls: set[asyncio.Future[tuple[int, list[Action]]]] = set()
-        self._flush_armed = False
+        self._flush_armed = False  # a flush after the interval is scheduled
+        self._flush_soon = False  # a flush once this input is done is scheduled
         self._join_timer_armed = False
         # Told of every ring message this member receives, with the node it came from
         # (the queue layer's ring-hop spans); None: nobody is told.
@@ -309,16 +310,18 @@ class MemberShell:
             _log_write(group, action, outcome, written)
             return core.on_group_written(outcome, written)
         elif isinstance(action, StartFlushTimer):
-            if not self._flush_armed:
-                self._flush_armed = True
-                # An idle link to the right gains nothing from waiting: flush as
-                # soon as this input is done. A busy one batches for the interval.
-                idle = self.neighbours is not None and self.host.link_idle(self.neighbours.right_node)
-                loop = asyncio.get_running_loop()
-                if idle:
+            # An idle link to the right gains nothing from waiting: flush as soon as this input is done.
+            # A busy one batches for the interval; so do acknowledgements alone (they ride on the next
+            # frame if one goes first).
+            loop = asyncio.get_running_loop()
+            idle = self.neighbours is not None and self.host.link_idle(self.neighbours.right_node)
+            if idle and not action.acks_only:
+                if not self._flush_soon:
+                    self._flush_soon = True
                     loop.call_soon(self._flush_due)
-                else:
-                    loop.call_later(self.host.flush_interval, self._flush_due)
+            elif not self._flush_armed:
+                self._flush_armed = True
+                loop.call_later(self.host.flush_interval, self._flush_later_due)
         elif isinstance(action, ChooseLeft):
             return core.join_via(random.choice(action.candidates))
         elif isinstance(action, RequestAddOnRight):
@@ -365,6 +368,10 @@ class MemberShell:
             )
 
     def _flush_due(self) -> None:
+        self._flush_soon = False
+        self.post(lambda core: core.flush())
+
+    def _flush_later_due(self) -> None:
         self._flush_armed = False
         self.post(lambda core: core.flush())
 

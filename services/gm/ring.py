@@ -48,6 +48,14 @@ view version; a member receiving a newer version re-reads the table first
   right neighbour (which may have missed what L sent it before the change).
 - Broadcast: deliver locally, append to a buffer; the buffer goes right as one
   Activity when the flush timer fires or when it holds `max_buffer_bytes`.
+- Acknowledgements ride along: an acknowledgement to pass right (one this
+  member issued, or one from its left that carries no publication) waits for
+  the next Activity going right and travels in it, merged into its publisher's
+  entry; with nothing else to carry it, the flush timer sends it after the
+  flush interval (`StartFlushTimer(acks_only=True)`: the shell waits the whole
+  interval even on an idle link). Acknowledgements only let members forget
+  what went all the way round: they confirm nothing to anyone, so waiting
+  costs no latency, and under steady traffic it halves the ring's frames.
 - Activity from the left: publications not seen before are delivered, kept
   pending and forwarded; acknowledgements drop pending entries and are
   forwarded. A publication that comes back to the member that owns its
@@ -254,6 +262,9 @@ class RingMember:
         self.next_seq = 1
         self._buffer: list[bytes] = []
         self._buffer_bytes = 0
+        # Acknowledgements to pass right (publisher -> acknowledged through), waiting to ride on the next
+        # Activity that goes right, or on the flush timer (see "Acknowledgements ride along" above).
+        self._acks_out: dict[str, int] = {}
         # True once a Catchup from the current left was processed (or alone).
         self._caught_up = False
         # Frames from the left were lost (hard case 7): its messages are dropped until its Catchup.
@@ -354,10 +365,15 @@ class RingMember:
         return first, actions
 
     def flush(self) -> list[Action]:
-        """Send the broadcast buffer right (the flush timer fired)."""
+        """Send the broadcast buffer right, with the acknowledgements waiting (the flush timer fired)."""
         self._expect_no_io()
-        if not self._buffer or self.publishers is None or self.view is None or self.stopped:
+        if self.publishers is None or self.view is None or self.stopped:
             return []
+        if not self._buffer:
+            if not self._acks_out or self._alone():
+                self._acks_out.clear()
+                return []
+            return [self._send(Activity(self._take_acks([])))]
         own = self._state(self.id)
         first = own.last_pub + 1
         bodies = self._buffer
@@ -365,7 +381,7 @@ class RingMember:
         self._buffer_bytes = 0
         own.pending.append(first, bodies)
         own.last_pub = first + len(bodies) - 1
-        return [self._send(Activity([PublisherActivity(self.id, first, bodies)]))]
+        return [self._send(Activity(self._take_acks([PublisherActivity(self.id, first, bodies)])))]
 
     def on_add_on_right(self, newcomer: str, node: str) -> list[Action]:
         """A newcomer asks to be added right of this member."""
@@ -602,6 +618,7 @@ class RingMember:
         own = self._state(self.id)
         self._buffer = []
         self._buffer_bytes = 0
+        self._acks_out.clear()
         own.last_pub = own.last_ack = self.next_seq - 1
         own.pending = PendingRun(self.next_seq)
         self._caught_up = True
@@ -724,6 +741,7 @@ class RingMember:
         known = self.view.known
         out: list[PublisherActivity] = []
         actions: list[Action] = []
+        acks_were_waiting = bool(self._acks_out)  # then a flush is already due (see below)
         for entry in entries:
             publisher = entry.publisher
             if publisher not in known:
@@ -744,7 +762,7 @@ class RingMember:
                 if entry.acked_through > state.last_ack:
                     state.last_ack = entry.acked_through  # retired: it went all the way round
                 if returned:
-                    out.append(PublisherActivity(publisher, returned + 1, [], returned))
+                    self._defer_ack(publisher, returned)
                     if publisher == self.id:
                         actions.append(Confirmed(returned))
                 continue
@@ -765,11 +783,40 @@ class RingMember:
                 state.pending.drop_through(ack)
             # An acknowledgement is passed on even when it is not news here:
             # a re-issued one must reach its owner to be retired.
-            if fresh or ack:
+            if fresh:
                 out.append(PublisherActivity(publisher, first_new, fresh, ack))
-        if out and not self._alone():
-            actions.append(self._send(Activity(out)))
+            elif ack:
+                self._defer_ack(publisher, ack)
+        if self._alone():
+            self._acks_out.clear()
+        elif out:
+            actions.append(self._send(Activity(self._take_acks(out))))
+        elif self._acks_out and not acks_were_waiting and not self._buffer:
+            # A flush is due whenever acknowledgements wait: the buffer's (a non-empty buffer has one
+            # armed), or this one. Whatever sends them, a flush or an Activity from here, takes them all.
+            actions.append(StartFlushTimer(acks_only=True))
         return actions + self._next_write()
+
+    def _defer_ack(self, publisher: str, through: int) -> None:
+        if through > self._acks_out.get(publisher, 0):
+            self._acks_out[publisher] = through
+
+    def _take_acks(self, entries: list[PublisherActivity]) -> list[PublisherActivity]:
+        """`entries` (going right) with every acknowledgement waiting: merged into a publisher's entry,
+        or an entry of its own. A merged one never acknowledges past the entry's publications, which
+        the receiver takes first."""
+        waiting = self._acks_out
+        if not waiting:
+            return entries
+        merged = []
+        for entry in entries:
+            ack = waiting.pop(entry.publisher, 0)
+            if ack > entry.acked_through:
+                entry = PublisherActivity(entry.publisher, entry.first_seq, entry.pubs, ack)
+            merged.append(entry)
+        merged += [PublisherActivity(p, through + 1, [], through) for p, through in waiting.items()]
+        waiting.clear()
+        return merged
 
     # ---------------------------------------------------------------- helpers
 
