@@ -23,6 +23,9 @@ gracefully before the process exits.
 
 from __future__ import annotations
 
+import services.grpc_io  # noqa: F401 (first: it chooses gRPC's I/O path, which must precede grpc's import)
+
+# isort: split
 import argparse
 import asyncio
 import logging
