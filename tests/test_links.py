@@ -186,3 +186,34 @@ def test_troubled_peers_are_the_silent_and_the_refusing_only() -> None:
             await one.close()
 
     asyncio.run(asyncio.wait_for(scenario(), 30))
+
+
+def test_an_idle_link_is_kept_heard_by_heartbeats_both_ways() -> None:
+    """Heartbeats come from a timer per heartbeat interval (not one per frame): with nothing to send for
+    ten intervals, each end still hears the other every interval or so, and ring frames sent meanwhile
+    arrive in order."""
+
+    async def scenario() -> None:
+        addresses: dict[str, str] = {}
+        one, two = _Node("node1", addresses), _Node("node2", addresses)
+        for node in (one, two):
+            await node.server.start()
+        try:
+            one.links.want({"node2"})
+            two.links.want({"node1"})
+            await _until(lambda: one.links.is_connected("node2") and two.links.is_connected("node1"))
+            loudest_silence = 0.0
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + 0.5  # ten heartbeat intervals of 50 ms
+            while loop.time() < deadline:
+                loudest_silence = max(loudest_silence, one.links.silent_for("node2"), two.links.silent_for("node1"))
+                await asyncio.sleep(0.01)
+            assert loudest_silence < 0.4, f"silent for {loudest_silence:.3f} s on an idle link"
+            for group in ("g1", "g2", "g3"):
+                one.links.send("node2", peer_pb2.RingMessage(group=group))
+            await _until(lambda: two.received == ["g1", "g2", "g3"])
+        finally:
+            for node in (one, two):
+                await node.close()
+
+    asyncio.run(asyncio.wait_for(scenario(), 30))

@@ -107,6 +107,9 @@ class _Link:
         self.peer_incarnation = ""
         self.next_message_id = 1
         self.stop_stream: Callable[[], None] | None = None
+        # When the stream's writer last took a frame from the outbox (the event loop's clock): heartbeats
+        # go out only after a heartbeat interval without one.
+        self.last_taken = 0.0
         # Set when a dial after a lost link found nothing listening at the peer's
         # address (connection refused): its process is gone, no need to wait out
         # the failure timeout. A paused or partitioned peer is not refused.
@@ -394,10 +397,12 @@ class LinkManager:
         reassembler = Reassembler(budget=self.reassembly_budget)
         writer = asyncio.ensure_future(self._write_loop(link, write))
         reader = asyncio.ensure_future(self._read_loop(link, read, reassembler))
+        heartbeats = asyncio.ensure_future(self._heartbeats(link))
 
         def stop() -> None:
             writer.cancel()
             reader.cancel()
+            heartbeats.cancel()
             cancel()
 
         link.stop_stream = stop
@@ -408,7 +413,7 @@ class LinkManager:
             await asyncio.wait({writer, reader}, return_when=asyncio.FIRST_COMPLETED)
         finally:
             stop()
-            for task in (writer, reader):
+            for task in (writer, reader, heartbeats):
                 with contextlib.suppress(BaseException):
                     await task
             reassembler.release()
@@ -419,18 +424,30 @@ class LinkManager:
                 if not self._closed:
                     self._ensure_dial(link)
 
+    async def _heartbeats(self, link: _Link) -> None:
+        """Queue a heartbeat for the peer whenever the writer has taken nothing for a heartbeat interval:
+        an idle stream still proves us alive. (A timer per interval, not one per frame written.)"""
+        loop = asyncio.get_running_loop()
+        interval = self.heartbeat_interval
+        link.last_taken = loop.time()
+        while True:
+            idle = loop.time() - link.last_taken
+            if idle >= interval:
+                if link.outbox.empty():  # else the writer is busy (or stuck in a write): it needs no more
+                    link.outbox.put_nowait(frame(heartbeat=peer_pb2.Heartbeat(sent_at_unix_ms=int(time.time() * 1000))))
+                idle = 0.0
+            await asyncio.sleep(interval - idle)
+
     async def _write_loop(self, link: _Link, write: Callable[[peer_pb2.PeerFrame], Awaitable[None]]) -> None:
         outbox = link.outbox
+        clock = asyncio.get_running_loop().time
         carried: peer_pb2.PeerFrame | None = None
         while True:
             if carried is not None:
                 item, carried = carried, None
             else:
-                try:
-                    item = await asyncio.wait_for(outbox.get(), timeout=self.heartbeat_interval)
-                except TimeoutError:
-                    await write(frame(heartbeat=peer_pb2.Heartbeat(sent_at_unix_ms=int(time.time() * 1000))))
-                    continue
+                item = await outbox.get()
+            link.last_taken = clock()
             carried = _coalesce(item, outbox)
             if item.ring_message.ByteSize() > MAX_FRAGMENT_BYTES:
                 data = item.ring_message.SerializeToString()

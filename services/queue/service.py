@@ -425,20 +425,16 @@ class QueueServicer(queue_pb2_grpc.QueueServiceServicer):
             principal = await self.access.principal(context)
         except Refused as refused:
             await context.abort(refused.code, refused.details)
-        pending: asyncio.Queue[asyncio.Future[queue_pb2.PublishResponse] | None] = asyncio.Queue()
+        # In arrival order, what each request is answered from: the confirm of a request decided here (its
+        # outcomes, made into a response when they come: no task per request), or a finished response.
+        pending: asyncio.Queue[_PendingAnswer | None] = asyncio.Queue()
         routes: dict[tuple[str, str], tuple[QueueReplica | None, Any]] = {}
         forwarded = _ForwardedStream()
 
-        async def answer(request: queue_pb2.PublishRequest, confirmed: Awaitable[list[PublishOutcome]]) -> Any:
-            outcomes = await confirmed
-            return queue_pb2.PublishResponse(
-                seqs=[m.seq for m in request.messages], outcomes=[_OUTCOMES[o] for o in outcomes]
-            )
-
-        def failed(error: Exception) -> asyncio.Future[queue_pb2.PublishResponse]:
+        def failed(error: Exception) -> _PendingAnswer:
             future: asyncio.Future[queue_pb2.PublishResponse] = asyncio.get_running_loop().create_future()
             future.set_exception(error)
-            return future
+            return None, future
 
         async def read() -> None:
             # Batches are routed and decided here, one after another, in the order
@@ -468,7 +464,9 @@ class QueueServicer(queue_pb2_grpc.QueueServiceServicer):
                     if stub is not None:
                         if tracing.enabled():
                             _trace_forward(request, self.node_id)
-                        pending.put_nowait(asyncio.ensure_future(self._forward_publish(stub, request, forwarded)))
+                        pending.put_nowait(
+                            (None, asyncio.ensure_future(self._forward_publish(stub, request, forwarded)))
+                        )
                         continue
                     assert replica is not None
                     items = _outgoing(scoped_publisher(principal, request.publisher), request.messages)
@@ -477,15 +475,17 @@ class QueueServicer(queue_pb2_grpc.QueueServiceServicer):
                     except QueueError as error:
                         pending.put_nowait(failed(error))
                         break
-                    pending.put_nowait(asyncio.ensure_future(answer(request, confirmed)))
+                    pending.put_nowait((request, confirmed))
             finally:
                 pending.put_nowait(None)
 
         reader = asyncio.ensure_future(read())
         try:
             while (item := await pending.get()) is not None:
+                request, answered = item
                 try:
-                    yield await item
+                    result = await answered
+                    yield result if request is None else _publish_response(request, result)
                 except Refused as refused:
                     await context.abort(refused.code, refused.details)
                 except ValueError as error:
@@ -499,7 +499,10 @@ class QueueServicer(queue_pb2_grpc.QueueServiceServicer):
             while not pending.empty():
                 leftover = pending.get_nowait()
                 if leftover is not None:
-                    leftover.cancel()
+                    answer = leftover[1]
+                    if answer.done() and not answer.cancelled():
+                        answer.exception()  # retrieved: the stream ended, nobody else will look
+                    answer.cancel()
             if forwarded.call is not None:
                 forwarded.call.cancel()
             if forwarded.moved is not None:
@@ -688,6 +691,15 @@ class QueueServicer(queue_pb2_grpc.QueueServiceServicer):
         if delivery is None:
             return queue_pb2.GetResponse(found=False)
         return queue_pb2.GetResponse(found=True, delivery=_delivery(delivery))
+
+
+# A publish request's answer to come: (the request, its outcomes when confirmed) for one decided on this
+# node, (None, the response) for one relayed or refused.
+_PendingAnswer = tuple[queue_pb2.PublishRequest | None, asyncio.Future[Any]]
+
+
+def _publish_response(request: queue_pb2.PublishRequest, outcomes: list[PublishOutcome]) -> queue_pb2.PublishResponse:
+    return queue_pb2.PublishResponse(seqs=[m.seq for m in request.messages], outcomes=[_OUTCOMES[o] for o in outcomes])
 
 
 class _ForwardedStream:
