@@ -71,5 +71,5 @@ def test_a_transaction_survives_encoding_and_holds_plain_changes_only() -> None:
     assert wire.decode(wire.encode(report)) == report
     nested = queue_replication_pb2.QueueReport()
     nested.transaction.changes.add().ParseFromString(wire.encode(Depth(3)))
-    with pytest.raises(ValueError, match="may not hold a Depth"):
+    with pytest.raises(ValueError, match="may not hold a depth report"):
         wire.decode(nested.SerializeToString())

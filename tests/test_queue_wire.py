@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from ringq.internal.v1 import queue_replication_pb2
 from services.queue import wire
 from services.queue.ops import (
     Deliver,
@@ -19,6 +20,7 @@ from services.queue.ops import (
     SyncDone,
     Synchronised,
     SyncRequest,
+    Transaction,
 )
 
 PLAIN = Message(7, b"body", "orders", 3, False, {}, 0, 1_700_000_000_000, 0, 0)
@@ -75,3 +77,62 @@ def test_an_enqueue_survives_encoding_with_every_field_at_its_default_or_set() -
     seq_only = Message(3, b"x", publisher_seq=5)
     for message in (plain, full, seq_only):
         assert wire.decode(wire.encode(Enqueue(message))) == Enqueue(message)
+
+
+def _enqueues(*messages: Message) -> tuple[Enqueue, ...]:
+    return tuple(Enqueue(message) for message in messages)
+
+
+def _run_sizes(report: Transaction) -> list[int | str]:
+    """What each change of `report`'s protobuf form is: a run's message count, or the kind's name."""
+    parsed = queue_replication_pb2.QueueReport.FromString(wire.encode(report))
+    kinds: list[int | str] = []
+    for change in parsed.transaction.changes:
+        kind = change.WhichOneof("kind")
+        kinds.append(len(change.enqueue_run.bodies) if kind == "enqueue_run" else str(kind))
+    return kinds
+
+
+def test_a_publish_requests_enqueues_travel_as_one_run_and_come_back_as_they_were() -> None:
+    """A step's plain enqueues with consecutive ids and the same publisher, persistence and enqueue time
+    travel packed as one EnqueueRun; they decode into the same Enqueue reports, in order."""
+    run = [Message(100 + i, bytes([i]) * 256, "orders", 10 + i, False, enqueued_at_ms=5) for i in range(50)]
+    report = Transaction((*_enqueues(*run), Deliver((100, 101))))
+    assert wire.decode(wire.encode(report)) == report
+    assert _run_sizes(report) == [50, "deliver"]
+
+
+def test_a_run_breaks_where_a_message_differs_and_every_message_survives() -> None:
+    """A gap in the ids, another publisher, persistence or enqueue time, or a message with headers, a
+    priority, an expiry or a delivery count of its own starts a new run or travels alone."""
+    messages = [
+        Message(1, b"a", "p", 1, enqueued_at_ms=5),
+        Message(2, b"b", "p", 2, enqueued_at_ms=5),
+        Message(4, b"gap", "p", 3, enqueued_at_ms=5),
+        Message(5, b"other publisher", "q", 1, enqueued_at_ms=5),
+        Message(6, b"persistent", "q", 2, persistent=True, enqueued_at_ms=5),
+        Message(7, b"later", "q", 3, persistent=True, enqueued_at_ms=6),
+        Message(8, b"headers", "q", 4, persistent=True, headers={"k": "v"}, enqueued_at_ms=6),
+        Message(9, b"priority", "q", 5, persistent=True, priority=3, enqueued_at_ms=6),
+        Message(10, b"expiry", "q", 6, persistent=True, enqueued_at_ms=6, expires_at_ms=60),
+        Message(11, b"redelivered", "q", 7, persistent=True, enqueued_at_ms=6, delivery_count=1),
+        Message(12, b"no publisher", enqueued_at_ms=6),
+        Message(13, b"no publisher either", enqueued_at_ms=6),
+    ]
+    report = Transaction((Settle((1,)), *_enqueues(*messages), Discard((1,), "maxlen")))
+    assert wire.decode(wire.encode(report)) == report
+    assert _run_sizes(report) == ["settle", 2, 1, 1, 1, 1, "enqueue", "enqueue", "enqueue", "enqueue", 2, "discard"]
+
+
+def test_malformed_runs_are_refused() -> None:
+    alone = queue_replication_pb2.QueueReport()
+    alone.enqueue_run.first_id = 1
+    alone.enqueue_run.bodies.append(b"x")
+    with pytest.raises(ValueError, match="outside a transaction"):
+        wire.decode(alone.SerializeToString())
+    uneven = queue_replication_pb2.QueueReport()
+    run = uneven.transaction.changes.add().enqueue_run
+    run.bodies.extend([b"x", b"y"])
+    run.publisher_seqs.extend([1, 2, 3])
+    with pytest.raises(ValueError, match="2 bodies and 3 publisher sequence numbers"):
+        wire.decode(uneven.SerializeToString())

@@ -510,3 +510,28 @@ def test_equal_logs_of_master_and_mirror_carry_equal_marks() -> None:
     mirror.reports("node1.a", first, *reports, Depth(1, 1))  # a depth report follows in the same batch
     marks = [a.position for a in mirror.take(AppendToLog) if a.position is not None]
     assert marks == [appended.position]
+
+
+def test_a_publish_request_is_one_ring_message_and_a_mirror_applies_it_whole() -> None:
+    """A step of several plain changes (here: three enqueues and the delivery to a waiting consumer) is
+    broadcast as one Transaction report, one GM sequence number, marked in both logs at that number."""
+    driven = fresh_master(synchronised=("node2",))
+    driven.run(driven.core.consume("c1", 1, 0, driven.now))
+    driven.take(Broadcast)
+    driven.take(AppendToLog)
+    first_seq = driven.core.next_seq
+    publish(driven, b"a", b"b", b"c")
+    [broadcast] = driven.take(Broadcast)
+    [report] = broadcast.reports
+    assert isinstance(report, Transaction)
+    assert [type(change).__name__ for change in report.changes] == ["Enqueue", "Enqueue", "Enqueue", "Deliver"]
+    assert (broadcast.first_seq, driven.core.next_seq) == (first_seq, first_seq + 1)
+    [appended] = driven.take(AppendToLog)
+    assert appended.position == Position(driven.core.epoch, first_seq)
+
+    mirror = mirror_of()
+    mirror.run(mirror.core.on_reports("node1.a", 1, [Depth(0, 1)], mirror.now))
+    mirror.take(AppendToLog)
+    mirror.reports("node1.a", 2, report)
+    contents = mirror.core.mirror.contents  # type: ignore[union-attr]
+    assert (len(contents), contents.depth) == (2, 3), "two ready and one delivered, as on the master"

@@ -180,9 +180,10 @@ PLAIN_CHANGE_TYPES = (Enqueue, Deliver, Settle, Requeue, Discard)
 
 @dataclass(frozen=True, slots=True)
 class Transaction:
-    """A committed transaction: its changes, applied together. It travels as one ring message, so
-    every replica applies all of them or none (a master that dies mid-broadcast leaves a prefix of
-    its *messages*, never of one message)."""
+    """Changes applied together: a committed transaction's, or those of one step of the master (a publish
+    request's enqueues and the deliveries they made; services/queue/replica_core.py `_pack`). It travels
+    as one ring message, so every replica applies all of them or none (a master that dies
+    mid-broadcast leaves a prefix of its *messages*, never of one message)."""
 
     changes: tuple[PlainChange, ...]
 

@@ -925,6 +925,7 @@ class ReplicaCore:
         self._next_step_id += 1
         effects: list[Effect] = []
         last_seq = persistent_seq = 0
+        _pack(step)
         if step.reports and self.replicates_messages:
             effects.append(Broadcast(tuple(step.reports), self.next_seq, confirmed=True))
             self.next_seq += len(step.reports)
@@ -1566,6 +1567,20 @@ class ReplicaCore:
             queue_arguments.effective_definition(record.policy_definition, record.arguments),
             queue_arguments.single_active_consumer(record.arguments),
         )
+
+
+def _pack(step: Step) -> None:
+    """Make a step of several plain changes (a publish request's enqueues and the deliveries they made, an
+    ack and the deliveries it made room for) one Transaction report: one ring message instead of one a
+    change, applied whole by every replica as the step was decided, its enqueues sent packed
+    (services/queue/wire.py). Steps with anything else (a depth report, a sync batch) stay as they are."""
+    reports = step.reports
+    if len(reports) > 1 and all(type(report) in _PLAIN_CHANGES for report in reports):
+        changes: list[Any] = []
+        for report in reports:
+            changes += unpacked(report)
+        step.reports = [Transaction(tuple(changes))]
+        step.last_log_change = 0 if step.last_log_change >= 0 else -1
 
 
 def _mark(node: str) -> Callable[[QueueRecord], QueueRecord | None]:
