@@ -84,15 +84,31 @@ def test_equal_consumers_take_turns_and_higher_priority_goes_first() -> None:
 
 def test_single_active_consumer_gets_everything_until_it_goes() -> None:
     master = QueueMaster("q", limits=QueueLimits(single_active_consumer=True))
+    assert publish(master, b"0").deliveries == [], "no consumer yet: nothing delivered"
     master.consume("first", prefetch=10)
     master.consume("second", prefetch=10)
     step = publish(master, b"1", b"2")
     assert {d.consumer for d in step.deliveries} == {"first"}
     step = master.cancel("first")
     assert [(d.consumer, d.message.body, d.redelivered) for d in step.deliveries] == [
+        ("second", b"0", True),
         ("second", b"1", True),
         ("second", b"2", True),
     ]
+
+
+def test_a_lone_consumer_takes_what_its_prefetch_allows_and_equals_take_turns() -> None:
+    master = QueueMaster("q")
+    master.consume("lone", prefetch=3)
+    master.consume("low", prefetch=0, priority=-1)
+    step = publish(master, *(str(i).encode() for i in range(5)))
+    assert [d.consumer for d in step.deliveries] == ["lone"] * 3 + ["low"] * 2, "the lower priority takes the rest"
+    master = QueueMaster("q")
+    for tag in ("a", "b", "c"):
+        master.consume(tag, prefetch=3)
+    step = publish(master, *(str(i).encode() for i in range(10)))
+    assert [d.consumer for d in step.deliveries] == ["a", "b", "c"] * 3, "equals in turn, up to their prefetch"
+    assert len(master.contents) == 1
 
 
 def test_a_requeued_message_keeps_its_place_and_is_marked_redelivered() -> None:

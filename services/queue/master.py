@@ -158,6 +158,10 @@ class _Consumer:
     def has_credit(self) -> bool:
         return self.prefetch == 0 or len(self.unacked) < self.prefetch
 
+    def room(self) -> int:
+        """How many more deliveries its prefetch allows (-1: no limit; counting down never reaches 0)."""
+        return -1 if self.prefetch == 0 else self.prefetch - len(self.unacked)
+
 
 GET_CONSUMER = ""  # basic.get deliveries awaiting ack are held under this pseudo consumer
 
@@ -520,19 +524,27 @@ class QueueMaster:
         self._report(Discard(tuple(ids), reason), step)
 
     def _dispatch(self, step: Step) -> None:
+        contents = self.contents
+        round_robin = not self.limits.single_active_consumer
         delivered: list[int] = []
-        while (head := self.contents.head()) is not None:
-            consumer = self._pick()
-            if consumer is None:
+        while contents.head() is not None:
+            picked = self._pick()
+            if picked is None:
                 break
-            self.contents.apply(Deliver((head.id,)))
-            delivered.append(head.id)
-            tag = consumer.next_tag
-            consumer.next_tag += 1
-            consumer.unacked[tag] = head.id
-            step.deliveries.append(Delivery(consumer.tag, tag, head, head.redelivered))
-            if not self.limits.single_active_consumer:
-                # Round robin among equals: the one just served goes to the back.
+            consumer, rivals = picked
+            # Equals take turns, one message each; a consumer with no rival takes what its credit allows at
+            # once (the same deliveries, without choosing again for every message).
+            room = 1 if rivals else consumer.room()
+            unacked, deliveries = consumer.unacked, step.deliveries
+            while room and (head := contents.head()) is not None:
+                contents.apply(Deliver((head.id,)))
+                delivered.append(head.id)
+                tag = consumer.next_tag
+                consumer.next_tag += 1
+                unacked[tag] = head.id
+                deliveries.append(Delivery(consumer.tag, tag, head, head.redelivered))
+                room -= 1
+            if round_robin:  # the one just served goes to the back
                 self._consumers[consumer.tag] = self._consumers.pop(consumer.tag)
         if delivered:
             step.reports.append(Deliver(tuple(delivered)))
@@ -544,15 +556,20 @@ class QueueMaster:
         consumer.unacked[tag] = message.id
         return Delivery(consumer.tag, tag, message, message.redelivered)
 
-    def _pick(self) -> _Consumer | None:
-        real = [c for c in self._consumers.values() if c.tag != GET_CONSUMER]
-        if not real:
-            return None
+    def _pick(self) -> tuple[_Consumer, bool] | None:
+        """The consumer to serve next (with credit, highest priority, first in turn), and whether another
+        of its priority has credit too."""
         if self.limits.single_active_consumer:
-            active = self._consumers[self.active_consumer() or ""]
-            return active if active.has_credit() else None
-        ready = [c for c in real if c.has_credit()]
-        if not ready:
-            return None
-        best = max(c.priority for c in ready)
-        return next(c for c in ready if c.priority == best)
+            tag = self.active_consumer()
+            active = None if tag is None else self._consumers[tag]
+            return (active, False) if active is not None and active.has_credit() else None
+        best: _Consumer | None = None
+        rivals = False
+        for consumer in self._consumers.values():
+            if consumer.tag == GET_CONSUMER or not consumer.has_credit():
+                continue
+            if best is None or consumer.priority > best.priority:
+                best, rivals = consumer, False
+            elif consumer.priority == best.priority:
+                rivals = True
+        return None if best is None else (best, rivals)

@@ -111,19 +111,33 @@ def _ref_problem(ref: queue_pb2.QueueRef) -> str:
     return ""
 
 
-def _delivery(delivery: Delivery) -> queue_pb2.QueueDelivery:
+def _fill_delivery(out: queue_pb2.QueueDelivery, delivery: Delivery) -> None:
+    """Set `out`'s fields from `delivery` in place, only those that differ from their defaults: one per
+    delivered message; building a QueueDelivery from keyword arguments (headers copied through the
+    Mapping protocol) and copying it into the response took four times as long."""
     message = delivery.message
-    return queue_pb2.QueueDelivery(
-        consumer_tag=delivery.consumer,
-        delivery_tag=delivery.delivery_tag,
-        body=message.body,
-        redelivered=delivery.redelivered,
-        delivery_count=message.delivery_count,
-        headers=message.headers,
-        publisher=message.publisher,
-        seq=message.publisher_seq,
-        message_id=message.id,
-    )
+    out.consumer_tag = delivery.consumer
+    out.delivery_tag = delivery.delivery_tag
+    out.body = message.body
+    if delivery.redelivered:
+        out.redelivered = True
+    out.delivery_count = message.delivery_count
+    headers = message.headers
+    if headers:
+        out.headers.update(headers)
+    if message.publisher:
+        out.publisher = message.publisher
+    if message.publisher_seq:
+        out.seq = message.publisher_seq
+    out.message_id = message.id
+
+
+def _consume_response(batch: list[Delivery]) -> queue_pb2.ConsumeResponse:
+    response = queue_pb2.ConsumeResponse()
+    add = response.deliveries.add
+    for delivery in batch:
+        _fill_delivery(add(), delivery)
+    return response
 
 
 class _ReadyBatches:
@@ -590,7 +604,7 @@ class QueueServicer(queue_pb2_grpc.QueueServiceServicer):
         batches = _ReadyBatches(consumer.deliveries)
         try:
             while (batch := await batches.next()) and not half_closed.is_set():
-                yield queue_pb2.ConsumeResponse(deliveries=[_delivery(ready) for ready in batch])
+                yield _consume_response(batch)
             if half_closed.is_set():
                 await replica.cancel(tag)  # after the settlements, in decision order
                 return
@@ -690,7 +704,9 @@ class QueueServicer(queue_pb2_grpc.QueueServiceServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"the queue's master went away: {error}; retry")
         if delivery is None:
             return queue_pb2.GetResponse(found=False)
-        return queue_pb2.GetResponse(found=True, delivery=_delivery(delivery))
+        response = queue_pb2.GetResponse(found=True)
+        _fill_delivery(response.delivery, delivery)
+        return response
 
 
 # A publish request's answer to come: (the request, its outcomes when confirmed) for one decided on this
