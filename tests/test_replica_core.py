@@ -23,6 +23,7 @@ from services.queue.ops import (
     Transaction,
 )
 from services.queue.replica_core import (
+    PUBLISH_WINDOW_MIN,
     AbandonSteps,
     AppendToLog,
     Broadcast,
@@ -535,3 +536,33 @@ def test_a_publish_request_is_one_ring_message_and_a_mirror_applies_it_whole() -
     mirror.reports("node1.a", 2, report)
     contents = mirror.core.mirror.contents  # type: ignore[union-attr]
     assert (len(contents), contents.depth) == (2, 3), "two ready and one delivered, as on the master"
+
+
+def test_the_publish_window_holds_publishes_while_prefetch_bound_consumers_wait_on_their_acks() -> None:
+    """While every consumer has a prefetch, the messages of publish steps in flight stay under half their
+    combined prefetch (at least PUBLISH_WINDOW_MIN); without consumers, or with one that takes without
+    limit, nothing is held. Acks and completions open the window again."""
+    driven = fresh_master(synchronised=("node2",))
+    batch = [b"m"] * 100
+    for _ in range(6):
+        publish(driven, *batch, persistent=False)
+    assert driven.core.may_publish(), "no consumer: no window"
+    driven.run(driven.core.consume("c1", 1000, 0, driven.now))
+    assert not driven.core.may_publish(), "600 in flight, the window is 500"
+    driven.confirm_ring()
+    assert driven.core.may_publish()
+    for _ in range(5):
+        assert driven.core.may_publish()
+        publish(driven, *batch, persistent=False)
+    assert not driven.core.may_publish()
+    driven.run(driven.core.consume("c2", 0, 0, driven.now))
+    assert driven.core.may_publish(), "a consumer without a prefetch: no window"
+    driven.run(driven.core.cancel("c2", driven.now))
+    driven.run(driven.core.cancel("c1", driven.now))
+    driven.run(driven.core.consume("small", 10, 0, driven.now))
+    assert not driven.core.may_publish(), "500 in flight over the least window"
+    driven.confirm_ring()
+    publish(driven, *([b"m"] * 255), persistent=False)
+    assert driven.core.may_publish(), f"{PUBLISH_WINDOW_MIN} at least"
+    publish(driven, b"m", persistent=False)
+    assert not driven.core.may_publish()

@@ -270,6 +270,18 @@ class QueueMaster:
     def consumer_tags(self) -> list[str]:
         return [tag for tag in self._consumers if tag != GET_CONSUMER]
 
+    def combined_prefetch(self) -> int | None:
+        """The consumers' prefetch added up (basic.get's waiting deliveries aside); None if there is no
+        consumer or one takes without limit."""
+        total = 0
+        for consumer in self._consumers.values():
+            if consumer.tag == GET_CONSUMER:
+                continue
+            if consumer.prefetch == 0:
+                return None
+            total += consumer.prefetch
+        return total or None
+
     def active_consumer(self) -> str | None:
         """With single active consumer: the one that receives messages."""
         tags = self.consumer_tags

@@ -89,6 +89,7 @@ class QueueReplica:
         self._to_do: deque[Effect] = deque()
         self._executing = False
         self.stopped = False
+        self._room: asyncio.Future[None] | None = None  # publishers waiting for the publish window
 
     # ---------------------------------------------------------------- views (QueueService)
 
@@ -146,6 +147,7 @@ class QueueReplica:
             if not future.done():
                 future.set_exception(ConnectionAbortedError(f"queue {self.record.name}: the replica stopped"))
         self._waiters.clear()
+        self._open_window()
         for consumer in self.consumers.values():
             while not consumer.deliveries.empty():  # not sent yet: the next master delivers them again
                 consumer.deliveries.get_nowait()
@@ -163,6 +165,19 @@ class QueueReplica:
             self._execute(self.core.on_record(record, now_ms()))
 
     # ---------------------------------------------------------------- client requests (the master's)
+
+    async def room_to_publish(self) -> None:
+        """Return once a publish request may be decided (replica_core.py `may_publish`, the publish
+        window), or the replica stopped (publishing then fails as it should)."""
+        while not self.stopped and not self.core.may_publish():
+            if self._room is None:
+                self._room = asyncio.get_running_loop().create_future()
+            await self._room
+
+    def _open_window(self) -> None:
+        room, self._room = self._room, None
+        if room is not None and not room.done():
+            room.set_result(None)
 
     def publish_in_order(self, items: list[Publish]) -> asyncio.Future[list[PublishOutcome]]:
         """Decide on `items` now (a publisher's batches are taken in call order); the future completes
@@ -312,6 +327,8 @@ class QueueReplica:
                     self._carry_out(effect)
         finally:
             self._executing = False
+        if self._room is not None and self.core.may_publish():
+            self._open_window()
         if self.core.is_master and not self.stopped:
             self.serving.set()
         else:

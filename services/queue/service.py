@@ -484,6 +484,7 @@ class QueueServicer(queue_pb2_grpc.QueueServiceServicer):
                         continue
                     assert replica is not None
                     items = _outgoing(scoped_publisher(principal, request.publisher), request.messages)
+                    await replica.room_to_publish()
                     try:
                         confirmed = replica.publish_in_order(items)
                     except QueueError as error:

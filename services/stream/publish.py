@@ -224,6 +224,7 @@ async def _append(
                 if problem:
                     failed(grpc.StatusCode.INVALID_ARGUMENT, problem)
                     return
+                await replica.room_to_publish()  # the publish window (services/queue/replica_core.py)
                 if not shell.fencing.current(lease, request.fencing_token):
                     try:
                         await shell.fencing.check(lease, request.fencing_token)
