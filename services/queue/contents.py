@@ -83,6 +83,7 @@ class QueueContents:
         # Ready ids are the messages not pending acknowledgement (no set of their own: it cost about 60
         # bytes per queued message); the heap orders them and may hold stale ids (see `_prune_stale_heap`).
         self._ready_heap: list[int] = []
+        self._heap_checked_at = HEAP_SLACK  # the heap's length up to which it needs no pruning (`_make_ready`)
         self.unacked: set[int] = set()
         self._peak = 0  # len(messages) at its highest since the tables were last rebuilt
         self.publishers: dict[str, PublisherSeqs] = {}
@@ -219,10 +220,12 @@ class QueueContents:
                 self.unacked.add(message_id)
 
     def _add(self, message: Message, ready: bool) -> None:
-        if not self.messages.add(message):
+        messages = self.messages
+        if not messages.add(message):
             return
-        if len(self.messages) > self._peak:
-            self._peak = len(self.messages)
+        held = len(messages)
+        if held > self._peak:
+            self._peak = held
         self.bytes += len(message.body)
         if message.flags & PERSISTENT_FLAG:
             self.persistent_changes += 1
@@ -239,15 +242,22 @@ class QueueContents:
             self.unacked.add(message.id)
 
     def _make_ready(self, message_id: int) -> None:
-        heapq.heappush(self._ready_heap, message_id)
-        self._prune_stale_heap()
+        heap = self._ready_heap
+        heapq.heappush(heap, message_id)
+        if len(heap) > self._heap_checked_at:  # else the heap is no longer than when last found fit
+            self._prune_stale_heap()
 
     def _prune_stale_heap(self) -> None:
         """Ids stop being ready without leaving the heap (it is pruned lazily, from its top, by `head`); a
         mirror never asks for its head, so its heap kept every id it ever made ready (32 bytes each: 20
-        MiB per 625,000 messages passed through). Rebuilt once stale ids outnumber live ones."""
+        MiB per 625,000 messages passed through). Rebuilt once stale ids outnumber live ones.
+
+        Looked at again only once the heap grew past its length when last looked at (`_make_ready`, once
+        per enqueue, skips the count of live ids in between), or when messages leave: stale ids then
+        stay at most twice the most ready ids there were since, plus HEAP_SLACK."""
         if len(self._ready_heap) > 2 * len(self) + HEAP_SLACK:
             self._ready_heap = sorted(self._live_ready())  # a sorted list is a heap
+        self._heap_checked_at = 2 * len(self) + HEAP_SLACK
 
     def _remove(self, ids: Iterable[int]) -> None:
         removed = self.messages.pop_many(ids)

@@ -206,30 +206,34 @@ class QueueMaster:
 
     def _publish_one(self, item: Publish, now_ms: int, step: Step) -> PublishOutcome:
         contents = self.contents
-        if contents.is_duplicate(item.publisher, item.seq):
+        if item.seq and contents.is_duplicate(item.publisher, item.seq):
             return PublishOutcome.DUPLICATE
         limits = self.limits
         if limits.overflow == "reject-publish" and self._full(extra_bytes=len(item.body)):
             return PublishOutcome.REJECTED
-        expiries = [now_ms + ttl for ttl in (limits.message_ttl_ms, item.expiration_ms) if ttl is not None]
+        expires_at_ms = 0
+        ttl, expiration = limits.message_ttl_ms, item.expiration_ms
+        if ttl is not None or expiration is not None:
+            expires_at_ms = now_ms + min(t for t in (ttl, expiration) if t is not None)
         message = Message(
-            id=self.next_id,
-            body=item.body,
-            publisher=item.publisher,
-            publisher_seq=item.seq,
-            persistent=item.persistent,
-            headers=dict(item.headers) if item.headers else NO_HEADERS,
-            priority=item.priority,
-            enqueued_at_ms=now_ms,
-            expires_at_ms=min(expiries) if expiries else 0,
+            self.next_id,
+            item.body,
+            item.publisher,
+            item.seq,
+            item.persistent,
+            dict(item.headers) if item.headers else NO_HEADERS,
+            item.priority,
+            now_ms,
+            expires_at_ms,
         )
         self.next_id += 1
         self._report(Enqueue(message), step)
-        while self._over_limit():
-            head = contents.head()
-            if head is None:
-                break
-            self._discard([head.id], "maxlen", step)
+        if limits.max_length is not None or limits.max_length_bytes is not None:
+            while self._over_limit():
+                head = contents.head()
+                if head is None:
+                    break
+                self._discard([head.id], "maxlen", step)
         return PublishOutcome.ACCEPTED
 
     def _full(self, extra_bytes: int) -> bool:

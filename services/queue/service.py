@@ -741,18 +741,21 @@ async def _unless_master_moves(reply: Awaitable[_T], moved: asyncio.Future[str],
 
 
 def _outgoing(publisher: str, messages: Iterable[queue_pb2.OutgoingMessage]) -> list[Outgoing]:
-    return [
-        Outgoing(
-            m.body,
-            publisher,
-            m.seq,
-            m.persistent,
-            dict(m.headers) if m.headers else {},
-            m.priority,
-            m.expiration_ms or None,
+    outgoing = []
+    for m in messages:
+        headers = m.headers
+        outgoing.append(
+            Outgoing(
+                m.body,
+                publisher,
+                m.seq,
+                m.persistent,
+                dict(headers) if headers else {},
+                m.priority,
+                m.expiration_ms or None,
+            )
         )
-        for m in messages
-    ]
+    return outgoing
 
 
 def _publish_problem(request: queue_pb2.PublishRequest) -> str | None:
