@@ -64,3 +64,23 @@ def test_equality_compares_every_field() -> None:
         assert Message(**{**EVERYTHING, name: other}) != Message(**EVERYTHING)  # type: ignore[arg-type]
     assert Message(1, b"x") != (1, b"x")
     assert "priority=-3" in repr(Message(**EVERYTHING))  # type: ignore[arg-type]
+
+
+def test_a_message_is_left_to_reference_counting_not_to_the_cycle_collector() -> None:
+    """A deep queue's messages are most of a node's objects; every full collection walked them all, the
+    event loop stopped meanwhile (services/queue/ops.py). A message is never part of a cycle, so it is not
+    tracked, and it is freed as soon as the last reference goes."""
+    import gc
+    import weakref
+
+    message = Message(1, b"body", "publisher", 1, True, {"k": "v"}, 3, 5, 9)
+    assert not gc.is_tracked(message)
+
+    class Headers(dict[str, str]):  # can be referred to weakly: tells when the message let go of it
+        pass
+
+    headers = Headers(k="kept by the message only")
+    held = Message(2, b"body", headers=headers)
+    gone = weakref.ref(headers)
+    del headers, held
+    assert gone() is None

@@ -158,6 +158,7 @@ class QueueReplica:
             self._timer.cancel()
         if self.disk is not None:
             self.disk.close()
+        self.core.on_stopped()
 
     def on_record(self, record: QueueRecord) -> None:
         """The coordinator's record changed (its Watch)."""

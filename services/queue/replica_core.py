@@ -1566,6 +1566,17 @@ class ReplicaCore:
 
     # ------------------------------------------------------------------- helpers
 
+    def on_stopped(self) -> None:
+        """The shell stopped this replica for good (its queue deleted, it moved, its node stops) and has
+        failed every caller still waiting: let go of the master's and mirror's state, messages included,
+        now. A stopped replica is still referred to by its GM member's callbacks, a cycle: its messages
+        were freed only when a full collection reached it, whenever that was, the event loop stopped
+        meanwhile (88-111 ms on each node, 2 s after a 250,000-message queue was deleted, in the next
+        workload). Reference counting frees them here, at the stop (28 ms for 250,000)."""
+        self.role = Role.STOPPED
+        self.master = None
+        self.mirror = None
+
     def _stop(self, reason: str, now_ms: int) -> list[Effect]:
         effects: list[Effect] = []
         if self.master is not None:
