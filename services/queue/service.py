@@ -490,17 +490,17 @@ class QueueServicer(queue_pb2_grpc.QueueServiceServicer):
                     except QueueError as error:
                         pending.put_nowait(failed(error))
                         break
-                    pending.put_nowait((request, confirmed))
+                    pending.put_nowait(([item.seq for item in items], confirmed))
             finally:
                 pending.put_nowait(None)
 
         reader = asyncio.ensure_future(read())
         try:
             while (item := await pending.get()) is not None:
-                request, answered = item
+                seqs, answered = item
                 try:
                     result = await answered
-                    yield result if request is None else _publish_response(request, result)
+                    yield result if seqs is None else _publish_response(seqs, result)
                 except Refused as refused:
                     await context.abort(refused.code, refused.details)
                 except ValueError as error:
@@ -710,13 +710,17 @@ class QueueServicer(queue_pb2_grpc.QueueServiceServicer):
         return response
 
 
-# A publish request's answer to come: (the request, its outcomes when confirmed) for one decided on this
+# A publish request's answer to come: (its seqs, its outcomes when confirmed) for one decided on this
 # node, (None, the response) for one relayed or refused.
-_PendingAnswer = tuple[queue_pb2.PublishRequest | None, asyncio.Future[Any]]
+_PendingAnswer = tuple[list[int] | None, asyncio.Future[Any]]
 
 
-def _publish_response(request: queue_pb2.PublishRequest, outcomes: list[PublishOutcome]) -> queue_pb2.PublishResponse:
-    return queue_pb2.PublishResponse(seqs=[m.seq for m in request.messages], outcomes=[_OUTCOMES[o] for o in outcomes])
+def _publish_response(seqs: list[int], outcomes: list[PublishOutcome]) -> queue_pb2.PublishResponse:
+    """The answer to a request decided here: its messages' seqs (as the request gave them) and outcomes."""
+    response = queue_pb2.PublishResponse()
+    response.seqs.extend(seqs)
+    response.outcomes.extend([_OUTCOMES[outcome] for outcome in outcomes])
+    return response
 
 
 class _ForwardedStream:
@@ -763,7 +767,7 @@ def _publish_problem(request: queue_pb2.PublishRequest) -> str | None:
         return "messages must not be empty"
     if is_stream_group(request.queue.queue):
         return _STREAM_GROUP_REFUSAL.format(request.queue.queue)
-    return _messages_problem(request.queue, request.publisher, request.messages)
+    return _messages_problem(request.queue, request.publisher, request.messages, request.ByteSize())
 
 
 def _commit_problem(request: queue_pb2.CommitRequest) -> str | None:
@@ -773,23 +777,28 @@ def _commit_problem(request: queue_pb2.CommitRequest) -> str | None:
     for index, settlement in enumerate(request.settlements):
         if settlement.kind not in _SETTLE:
             return f"settlements[{index}].kind must be ACK, REQUEUE or REJECT"
-    return _messages_problem(request.queue, request.publisher, request.messages)
+    return _messages_problem(request.queue, request.publisher, request.messages, request.ByteSize())
 
 
 def _messages_problem(
-    queue: queue_pb2.QueueRef, publisher: str, messages: Sequence[queue_pb2.OutgoingMessage]
+    queue: queue_pb2.QueueRef, publisher: str, messages: Sequence[queue_pb2.OutgoingMessage], request_bytes: int
 ) -> str | None:
+    """What is wrong with a request's messages, if anything. A request of `request_bytes` within the header
+    bound holds no body or headers over their bounds: only expirations are looked at one by one."""
     if not queue.queue:
         return "queue must not be empty"
     if len(publisher.encode()) > MAX_PUBLISHER_BYTES:
         return f"publisher must be at most {MAX_PUBLISHER_BYTES} bytes, got {len(publisher.encode())}"
     if len(messages) > MAX_MESSAGES_PER_PUBLISH:
         return f"a request carries {len(messages)} messages; at most {MAX_MESSAGES_PER_PUBLISH} are allowed"
+    sizes_within_bounds = request_bytes <= min(MAX_BODY_BYTES, MAX_HEADER_BYTES)
     for index, message in enumerate(messages):
-        if len(message.body) > MAX_BODY_BYTES:
-            return f"messages[{index}].body has {len(message.body)} bytes; at most {MAX_BODY_BYTES} are allowed"
         if message.expiration_ms > MAX_TTL_MS:
             return f"messages[{index}].expiration_ms is {message.expiration_ms}; at most {MAX_TTL_MS} is allowed"
+        if sizes_within_bounds:
+            continue
+        if len(message.body) > MAX_BODY_BYTES:
+            return f"messages[{index}].body has {len(message.body)} bytes; at most {MAX_BODY_BYTES} are allowed"
         if message.headers:
             header_bytes = sum(len(k.encode()) + len(v.encode()) for k, v in message.headers.items())
             if header_bytes > MAX_HEADER_BYTES:
