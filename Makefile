@@ -12,6 +12,7 @@
 #   make bench-streams  ordered streams: ringq vs a RabbitMQ quorum queue vs NATS JetStream (R3, file), updates docs/benchmarks.md
 #   make soak     W2 at 10,000 msgs/s for 30 minutes, every node's RSS each minute, updates docs/benchmarks.md
 #   make bench-scale  W1 by replicas, many queues (and their idle CPU), body sizes, memory per queued message, updates docs/benchmarks.md
+#   make bench-floor  Python gRPC alone: a stream write's CPU and ringq's five-hop path of bare relays, updates docs/benchmarks.md
 SHELL := /bin/bash
 PYTHON ?= python3
 VENV := .venv
@@ -27,7 +28,7 @@ BUF_VERSION := 1.75.0
 BUF := $(VENV)/buf/node_modules/.bin/buf
 PROTO_RELEASE := protos/releases/v0.2.binpb
 
-.PHONY: all setup wheels setup-node setup-zookeeper setup-rabbitmq protos lint lint-k8s test sim sim-queues demo demo-ring bench bench-gm bench-tracing bench-security bench-streams bench-reference setup-nats soak bench-scale clean
+.PHONY: all setup wheels setup-node setup-zookeeper setup-rabbitmq protos lint lint-k8s test sim sim-queues demo demo-ring bench bench-gm bench-tracing bench-security bench-streams bench-reference setup-nats soak bench-scale bench-floor clean
 
 all: test
 
@@ -159,6 +160,10 @@ soak: setup
 # 256 B/64 KiB/1 MiB bodies, memory per queued message (1,000,000 in one queue). See --help for shorter runs.
 bench-scale: setup
 	$(PY) -m bench.bench_scale --write docs/benchmarks.md
+
+# The floor under every hop (about 30 s): what one gRPC stream write costs, and ringq's path shape of bare relays.
+bench-floor: setup
+	$(PY) -m bench.grpc_floor --write docs/benchmarks.md
 
 clean:
 	rm -rf $(VENV) $(GEN) clients/python/ringq/internal .pytest_cache .mypy_cache .ruff_cache *.egg-info \

@@ -591,10 +591,26 @@ class Producer:
 class Delivery:
     """A message delivered to a consumer (or taken by `get`)."""
 
+    __slots__ = (
+        "_consumer",
+        "_stream",
+        "body",
+        "consumer_tag",
+        "delivery_count",
+        "delivery_tag",
+        "headers",
+        "message_id",
+        "publisher",
+        "queue",
+        "redelivered",
+        "seq",
+    )
+
     def __init__(self, message: queue_pb2.QueueDelivery, queue: str, consumer: Consumer | None, stream: int) -> None:
         self.queue = queue
         self.body = message.body
-        self.headers = dict(message.headers)
+        headers = message.headers
+        self.headers = dict(headers) if headers else {}
         self.redelivered = message.redelivered
         self.delivery_count = message.delivery_count
         self.publisher = message.publisher
