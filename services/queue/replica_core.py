@@ -854,9 +854,10 @@ class ReplicaCore:
         than the consumers' credit covers, consumers wait on their acknowledgements' round trip while the
         queue grows, and every message waits longer for its delivery (issue 13, W2: 5 s of saturated
         publishing built 4,000 ready messages behind a consumer holding its full prefetch, p99 640 ms; with
-        the window none, p99 90-180 ms, at the same rate). Without consumers, or with one that takes
-        without limit, there is no window: nothing waits on the round trip. Not a limit on the queue: a
-        backlog still grows while consumers are slower than publishers."""
+        this window none built up, p99 80-87 ms in three runs; at 70 % of the prefetch the backlog came
+        back in one run of three, p99 427 ms). Without consumers, or with one that takes without limit,
+        there is no window: nothing waits on the round trip. Not a limit on the queue: a backlog still
+        grows while consumers are slower than publishers."""
         state = self.master
         if state is None or self.role is not Role.MASTER:
             return True  # publish() answers
