@@ -104,10 +104,7 @@ def message_from_proto(m: pb.ReplicatedMessage) -> Message:
 
 def encode(report: AnyReport) -> bytes:
     out = pb.QueueReport()
-    if isinstance(report, Enqueue):  # one message with headers, a priority or an expiry (runs travel packed)
-        _fill(out.enqueue, report.message)
-    else:
-        _encode_into(out, report)
+    _encode_into(out, report)
     return out.SerializeToString()
 
 
@@ -173,8 +170,7 @@ def _encode_changes(out: pb.Transaction, changes: tuple[PlainChange, ...]) -> No
     index, count = 0, len(changes)
     while index < count:
         change = changes[index]
-        key = _run_key(change.message) if type(change) is Enqueue else None
-        if key is None or not isinstance(change, Enqueue):
+        if not isinstance(change, Enqueue) or (key := _run_key(change.message)) is None:
             _encode_into(out.changes.add(), change)
             index += 1
             continue
