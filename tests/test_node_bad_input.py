@@ -43,7 +43,9 @@ from tests.clusters import MEMBER, access, as_guest, client_channel, peer_channe
 
 pytestmark = pytest.mark.integration
 
-NODE_ARGS = ["--failure-timeout-ms", "600", "--heartbeat-interval-ms", "100", "--grace-ms", "100"]
+# The default failure timeout (2 s): no test here waits for a death, and a 16 MiB payload in transit holds
+# back its link's heartbeats (with 600 ms, a loaded machine recorded the sender's neighbour dead mid-transfer).
+NODE_ARGS = ["--failure-timeout-ms", "2000", "--heartbeat-interval-ms", "100", "--grace-ms", "100"]
 # Our own channels must not be the limit when we send oversized requests or receive large deliveries.
 BIG_MESSAGES = [
     ("grpc.max_send_message_length", 64 * 1024 * 1024),
