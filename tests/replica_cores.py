@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 
 from services.coordinator.metadata import QueueRecord
 from services.queue.durability import Claim, Position
-from services.queue.ops import Depth, Enqueue, Message, MirrorSays, Persisted, Report
+from services.queue.ops import Depth, Enqueue, Message, MirrorSays, Persisted, Report, Undecodable
 from services.queue.replica_core import (
     Broadcast,
     CompleteStep,
@@ -88,7 +88,7 @@ class Driven:
     def said(self) -> list[Report | MirrorSays]:
         return [report for b in self.take(Broadcast) for report in b.reports]
 
-    def reports(self, publisher: str, first_seq: int, *reports: Report | MirrorSays) -> list[Effect]:
+    def reports(self, publisher: str, first_seq: int, *reports: Report | MirrorSays | Undecodable) -> list[Effect]:
         return self.run(self.core.on_reports(publisher, first_seq, list(reports), self.now))
 
     def confirm_ring(self) -> list[Effect]:

@@ -21,6 +21,7 @@ from services.queue.ops import (
     Synchronised,
     SyncRequest,
     Transaction,
+    Undecodable,
 )
 
 PLAIN = Message(7, b"body", "orders", 3, False, {}, 0, 1_700_000_000_000, 0, 0)
@@ -55,6 +56,18 @@ def test_malformed_bytes_are_refused() -> None:
         wire.decode(b"\xff\xff\xff")
     with pytest.raises(ValueError, match="without a kind"):
         wire.decode(b"")
+
+
+def test_each_body_decodes_in_its_place_and_an_unreadable_one_becomes_undecodable() -> None:
+    """A ring message's bodies are numbered in order: one that cannot be read keeps its place (what it costs
+    is the replica's decision), and one of a kind this node does not know is unreadable too."""
+    unknown_kind = queue_replication_pb2.QueueReport()
+    unknown_kind.epoch = 1  # a report whose kind (a newer node's) this node's schema lacks parses kindless
+    bodies = [wire.encode(Depth(1, 1)), b"\xff\xff\xff", unknown_kind.SerializeToString(), wire.encode(SyncDone("m"))]
+    decoded = wire.decode_all(bodies)
+    assert decoded[0] == Depth(1, 1) and decoded[3] == SyncDone("m")
+    assert [type(d) for d in decoded[1:3]] == [Undecodable, Undecodable]
+    assert isinstance(decoded[2], Undecodable) and decoded[2].detail == "queue report without a kind"
 
 
 def test_an_enqueue_survives_encoding_with_every_field_at_its_default_or_set() -> None:

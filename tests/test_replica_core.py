@@ -21,6 +21,7 @@ from services.queue.ops import (
     Synchronised,
     SyncRequest,
     Transaction,
+    Undecodable,
 )
 from services.queue.replica_core import (
     PUBLISH_WINDOW_MIN,
@@ -29,6 +30,7 @@ from services.queue.replica_core import (
     Broadcast,
     CompleteStep,
     DeleteRecord,
+    DiscardLog,
     EndConsumers,
     FlushLog,
     LogRecovery,
@@ -414,6 +416,38 @@ def test_a_mirror_applies_and_logs_a_transaction_as_one_report() -> None:
     [append, mark] = driven.take(AppendToLog)
     assert [m.id for m in append.enqueued] == [9, 10] and list(append.removed) == [7]
     assert mark.position is not None and mark.position.seq == 4, "the log's mark names the transaction's report"
+
+
+def test_a_mirror_that_cannot_read_a_report_of_its_master_starts_over_and_resyncs() -> None:
+    """A report it cannot read may be a change it lacks, which no depth might ever show (an enqueue and an
+    acknowledgement missed together): it leaves the synchronised mirrors at once, drops its log and contents,
+    and asks for everything; the reports after the unread one keep their sequence numbers."""
+    driven = mirror_of()
+    driven.take(WriteLog)
+    driven.take(DiscardLog)  # the log it found at start, from no master it follows
+    driven.flush_all()
+    assert Synchronised("node2.b") in driven.said()
+    driven.reports("node1.a", 2, persistent(5), Undecodable("not a queue report: truncated"), persistent(6))
+    said = driven.said()
+    assert Desynchronised("node2.b") in said and SyncRequest("node2.b", 0) in said
+    assert driven.take(DiscardLog) == [DiscardLog()]
+    mirror = driven.core.mirror
+    assert mirror is not None and not mirror.synchronised and sorted(mirror.contents.messages) == [6]
+    assert driven.core.applied_seq == 4
+    [event] = [e for e in driven.core.events if e.kind == "mirror_desynchronised"]
+    assert "could not read a report of the master (not a queue report: truncated)" in event.detail
+
+
+def test_a_report_nobody_can_read_decides_nothing_for_a_master_or_a_replica_looking_for_one() -> None:
+    """An unread message might be a mirror's: a master ignores it, and a replica looking for its master does
+    not take its sender for one."""
+    master = fresh_master(synchronised=("node2",))
+    assert master.reports("node2.b", 5, Undecodable("no kind")) == []
+    looking = Driven("node3", record(mirrors=("node2", "node3")))
+    looking.run(looking.core.on_joined("node3.c", ["node2.b", "node3.c"], 0))
+    role = looking.core.role
+    looking.reports("node2.b", 1, Undecodable("no kind"))
+    assert looking.core.role is role is not Role.MIRROR
 
 
 def test_a_stream_group_takes_no_send_without_a_synchronised_mirror_alive() -> None:

@@ -305,6 +305,15 @@ class Noticed:
 MirrorSays = SyncRequest | Synchronised | Desynchronised | Persisted | Noticed
 
 
+@dataclass(frozen=True, slots=True)
+class Undecodable:
+    """A ring message in which this node found no report it can read (damaged, or an encoding newer than
+    it knows). The shell hands this on in its place, so that the core knows a change may be missing
+    (a mirror starts over) and the sequence numbers of the reports after it stay right."""
+
+    detail: str
+
+
 def unpacked(report: Report) -> tuple[Report, ...]:
     """A transaction's changes in order; any other report alone."""
     return report.changes if isinstance(report, Transaction) else (report,)

@@ -30,7 +30,7 @@ from services.gm.messages import Deliver as GmDeliver
 from services.gm.messages import Joined, MembersChanged, Stopped
 from services.queue import traces, wire
 from services.queue.master import Delivery, Publish, PublishOutcome, QueueError, QueueMaster, Settlement
-from services.queue.ops import MirrorSays, Report
+from services.queue.ops import MirrorSays, Report, Undecodable
 from services.queue.replica_core import (
     AbandonSteps,
     AppendToLog,
@@ -287,16 +287,17 @@ class QueueReplica:
         elif isinstance(event, Stopped):
             self._execute(core.on_member_stopped(event.reason, now))
 
-    def _decoded(self, event: GmDeliver) -> list[Report | MirrorSays]:
-        reports: list[Report | MirrorSays] = []
-        for body in event.bodies:
-            try:
-                reports.append(wire.decode(body))
-            except ValueError as error:  # a member stops on a protocol violation; a bad body is only logged
-                log.warning("queue %s: a malformed report from %s: %s", self.record.name, event.publisher, error)
+    def _decoded(self, event: GmDeliver) -> list[Report | MirrorSays | Undecodable]:
+        """The reports in `event`, one for each body (an `Undecodable` for one this node cannot read: the
+        core decides what that costs, a mirror of its publisher starts over)."""
+        reports = wire.decode_all(event.bodies)
+        for report in reports:
+            if isinstance(report, Undecodable):
+                name, publisher = self.record.name, event.publisher
+                log.warning("queue %s: a report from %s this node cannot read: %s", name, publisher, report.detail)
         if tracing.enabled() and not self.is_master:
             for report in reports:
-                if not isinstance(report, MirrorSays):
+                if not isinstance(report, MirrorSays | Undecodable):
                     traces.mirror_applied(self.record.name, self.host.node_id, self.record.gm_group, report)
         return reports
 

@@ -123,6 +123,7 @@ from services.queue.ops import (
     Synchronised,
     SyncRequest,
     Transaction,
+    Undecodable,
     unpacked,
 )
 
@@ -583,10 +584,11 @@ class ReplicaCore:
         return self._stop(f"its group member stopped: {reason}", now_ms)
 
     def on_reports(
-        self, publisher: str, first_seq: int, reports: Sequence[Report | MirrorSays], now_ms: int
+        self, publisher: str, first_seq: int, reports: Sequence[Report | MirrorSays | Undecodable], now_ms: int
     ) -> list[Effect]:
         """Reports delivered by the ring (another member's broadcasts, consecutive from `first_seq`).
-        Only a master broadcasts Reports; mirrors broadcast what they say to it."""
+        Only a master broadcasts Reports; mirrors broadcast what they say to it. A mirror that cannot read
+        one of its master's reports (`Undecodable`) may lack a change: it starts over and re-syncs."""
         if publisher == self.member:
             return []  # our own, applied when decided
         if self.role is Role.MIRROR and publisher == self.master_member and self.replicates_messages:
@@ -598,6 +600,8 @@ class ReplicaCore:
                 if self.role is Role.MASTER:
                     effects += self._from_mirror(report, now_ms)
                 continue
+            if isinstance(report, Undecodable) and (self.role is not Role.MIRROR or publisher != self.master_member):
+                continue  # it might be a mirror's: only the master this mirror follows is heard unread
             if self.role in (Role.LOOKING, Role.RECOVERING) and not self._taking_over:
                 effects += self._found_master(publisher, report, now_ms)
             if self.role is not Role.MIRROR:
@@ -615,7 +619,9 @@ class ReplicaCore:
             effects += self._mirror_flush()
         return effects
 
-    def _mirror_applies_run(self, first_seq: int, reports: Sequence[Report | MirrorSays], now_ms: int) -> list[Effect]:
+    def _mirror_applies_run(
+        self, first_seq: int, reports: Sequence[Report | MirrorSays | Undecodable], now_ms: int
+    ) -> list[Effect]:
         """The common case, kept cheap (it runs for every message on every mirror): a run of reports from
         the master this mirror follows. Plain changes are applied to the contents directly, the persistent
         ones gathered for the log; anything else (a depth report, a sync batch) takes the full path."""
@@ -667,7 +673,7 @@ class ReplicaCore:
             effects += self._mirror_flush()
         return effects
 
-    def _epoch_of(self, report: Report) -> int:
+    def _epoch_of(self, report: Report | Undecodable) -> int:
         return report.epoch if isinstance(report, Depth) else max(self.epoch, self.record.master_epoch)
 
     def on_ring_confirmed(self, through_seq: int, now_ms: int) -> list[Effect]:
@@ -1185,7 +1191,7 @@ class ReplicaCore:
 
     # ------------------------------------------------------------------- mirror
 
-    def _found_master(self, publisher: str, report: Report, now_ms: int) -> list[Effect]:
+    def _found_master(self, publisher: str, report: Report | Undecodable, now_ms: int) -> list[Effect]:
         """A starting replica hears a serving master (only masters broadcast reports): it follows it,
         keeping its log only if that log is a prefix of the master's history."""
         epoch = self._epoch_of(report)
@@ -1256,13 +1262,17 @@ class ReplicaCore:
             effects += self._say(mirror.request_sync())
         return effects
 
-    def _mirror_applies(self, seq: int, report: Report, now_ms: int) -> tuple[bool, list[Effect]]:
+    def _mirror_applies(self, seq: int, report: Report | Undecodable, now_ms: int) -> tuple[bool, list[Effect]]:
         """Apply one of the master's reports; (did the log change, effects)."""
         mirror = self.mirror
         assert mirror is not None
         if not self.replicates_messages:
             return False, []
         self.applied_seq = seq
+        if isinstance(report, Undecodable):
+            return False, self._mirror_starts_over(
+                f"this mirror could not read a report of the master ({report.detail}) and re-syncs", now_ms
+            )
         before = mirror.contents.persistent_changes
         said = mirror.apply(report)
         changed = False
@@ -1278,11 +1288,8 @@ class ReplicaCore:
                 effects += self._event(
                     now_ms, "mirror_desynchronised", "this mirror found it differs from the master and re-syncs"
                 )
-                if self.log in (LogState.WRITING, LogState.KEEPING):
-                    effects.append(DiscardLog())
-                    self.log = LogState.NONE
-                    changed = False
-                self._keep_existing_log = False
+                effects += self._mirror_forgets_log()
+                changed = False
                 effects += self._say(one)
             elif isinstance(one, Synchronised):
                 if not self.durable:
@@ -1293,6 +1300,25 @@ class ReplicaCore:
             else:
                 effects += self._say(one)
         return changed, effects
+
+    def _mirror_starts_over(self, detail: str, now_ms: int) -> list[Effect]:
+        """This mirror may differ from the master in a way no depth shows (a report it could not read):
+        it forgets its contents and its log, leaves the synchronised mirrors if it was one, and re-syncs
+        from nothing."""
+        mirror = self.mirror
+        assert mirror is not None
+        effects = self._event(now_ms, "mirror_desynchronised", detail) + self._mirror_forgets_log()
+        for one in mirror.start_over():
+            effects += self._say(one)
+        return effects
+
+    def _mirror_forgets_log(self) -> list[Effect]:
+        """A mirror that starts over keeps no log of what it held: the next one is written fresh."""
+        self._keep_existing_log = False
+        if self.log not in (LogState.WRITING, LogState.KEEPING):
+            return []
+        self.log = LogState.NONE
+        return [DiscardLog()]
 
     def _start_mirror_log(self, *, fresh: bool) -> list[Effect]:
         """A durable mirror became synchronised: its log is made to hold what it holds, then it says so."""

@@ -2,12 +2,14 @@
 
 Responsible for: the only place that knows both shapes of a report. Reports
 travel as serialized QueueReport bytes in GM broadcasts. Guarantees: a report
-survives encode/decode unchanged; decoding malformed bytes raises ValueError.
+survives encode/decode unchanged; decoding malformed bytes raises ValueError, and
+`decode_all` puts an `Undecodable` in the place of each body it cannot read.
 """
 
 from __future__ import annotations
 
 import sys
+from collections.abc import Iterable
 
 from google.protobuf.message import DecodeError
 
@@ -33,6 +35,7 @@ from services.queue.ops import (
     Synchronised,
     SyncRequest,
     Transaction,
+    Undecodable,
 )
 
 AnyReport = Report | MirrorSays
@@ -199,6 +202,18 @@ def _encode_changes(out: pb.Transaction, changes: tuple[PlainChange, ...]) -> No
         if key[1] & PERSISTENT_FLAG:
             run.persistent = True
         run.enqueued_at_ms = key[2]
+
+
+def decode_all(bodies: Iterable[bytes]) -> list[AnyReport | Undecodable]:
+    """One report for each body, in order: a body that is no report this node can read becomes an
+    `Undecodable` saying why, so that a report's place (its sequence number) never shifts."""
+    reports: list[AnyReport | Undecodable] = []
+    for body in bodies:
+        try:
+            reports.append(decode(body))
+        except ValueError as error:
+            reports.append(Undecodable(str(error)))
+    return reports
 
 
 def decode(data: bytes) -> AnyReport:
