@@ -21,6 +21,9 @@ GEN := clients/python/ringq/v1
 GEN_INTERNAL := clients/python/ringq/internal/v1
 PROTOS := $(wildcard protos/ringq/v1/*.proto) $(wildcard protos/ringq/internal/v1/*.proto)
 SEEDS ?= 20000
+# `make test` runs the test files on this many pytest-xdist workers (a file stays on one worker, so its
+# module-wide cluster starts once); most tests wait on processes, timers and disks more than on CPU.
+TEST_WORKERS ?= 2
 # buf (lint and breaking-change checks of protos/), from the npm registry, pinned; protos/releases holds
 # the image of each released API (protos/releases/README.md says what each changed); `buf breaking`
 # compares with the newest.
@@ -122,7 +125,7 @@ lint: setup $(BUF) lint-k8s
 	$(BUF) breaking --against $(PROTO_RELEASE)
 
 test: setup setup-node setup-zookeeper lint
-	$(VENV)/bin/pytest -q
+	$(VENV)/bin/pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 sim: setup
 	$(PY) -m tests.sim.run --seeds $(SEEDS)
