@@ -118,6 +118,15 @@ class MessageTable(Mapping[int, Message]):
         self._count -= len(removed)
         return removed
 
+    def release(self, chunks: int) -> bool:
+        """Let go of up to `chunks` chunks, and the messages only they held (a table freed a slice at a
+        time once its queue stopped, so that no one step frees a deep queue); True once it is empty."""
+        table = self._chunks
+        for _ in range(min(chunks, len(table))):
+            _, chunk = table.popitem()
+            self._count -= chunk[0]
+        return not table
+
     def compact(self) -> None:
         """Rebuild the chunk dict at its present size: a dict never shrinks as items leave."""
         self._chunks = dict(self._chunks)

@@ -30,6 +30,7 @@ from services.gm.messages import Deliver as GmDeliver
 from services.gm.messages import Joined, MembersChanged, Stopped
 from services.queue import traces, wire
 from services.queue.master import Delivery, Publish, PublishOutcome, QueueError, QueueMaster, Settlement
+from services.queue.message_table import MessageTable
 from services.queue.ops import MirrorSays, Report, Undecodable
 from services.queue.replica_core import (
     AbandonSteps,
@@ -55,6 +56,22 @@ from services.queue.replica_host import Consumer, ReplicaHost
 from services.queue.replica_log import ReplicaLog
 
 log = logging.getLogger("ringq.queue")
+# A stopped replica's messages are freed this many chunks (of 64 ids) at a time, one slice a loop turn.
+FREE_SLICE_CHUNKS = 256
+
+
+def _free_in_slices(table: MessageTable) -> None:
+    """Free `table`'s messages a slice at a time, each in its own turn of the running loop (at once if
+    none runs), so that deleting a deep queue never stops the loop for long."""
+    try:
+        loop = asyncio.get_running_loop()
+    except RuntimeError:
+        table.release(len(table))
+        return
+    if not table.release(FREE_SLICE_CHUNKS):
+        loop.call_soon(_free_in_slices, table)
+
+
 _QUIET_EVENTS = {"promoted", "recovered", "min_synchronised_restored", "disk_recovered"}
 
 
@@ -158,7 +175,8 @@ class QueueReplica:
             self._timer.cancel()
         if self.disk is not None:
             self.disk.close()
-        self.core.on_stopped()
+        for table in self.core.on_stopped():
+            _free_in_slices(table)
 
     def on_record(self, record: QueueRecord) -> None:
         """The coordinator's record changed (its Watch)."""
