@@ -26,13 +26,14 @@ from services.queue.ops import (
 
 PLAIN = Message(7, b"body", "orders", 3, False, {}, 0, 1_700_000_000_000, 0, 0)
 FULL = Message(8, b"\x00" * 300, "orders", 4, True, {"x-death-reason": "expired", "k": ""}, 9, 1, 2, 3)
+FRESH_FULL = Message(8, b"\x00" * 300, "orders", 4, True, {"x-death-reason": "expired", "k": ""}, 9, 1, 2, 0)
 
 
 @pytest.mark.parametrize(
     "report",
     [
         Enqueue(PLAIN),
-        Enqueue(FULL),
+        Enqueue(FRESH_FULL),
         Deliver((1, 2)),
         Settle((3,)),
         Requeue((4, 5)),
@@ -85,11 +86,38 @@ def test_an_enqueue_survives_encoding_with_every_field_at_its_default_or_set() -
         priority=9,
         enqueued_at_ms=1_700_000_000_000,
         expires_at_ms=1_700_000_060_000,
-        delivery_count=3,
     )
     seq_only = Message(3, b"x", publisher_seq=5)
     for message in (plain, full, seq_only):
         assert wire.decode(wire.encode(Enqueue(message))) == Enqueue(message)
+
+
+def test_an_enqueued_message_travels_undelivered_even_if_the_same_decision_delivered_it() -> None:
+    """Found reading a W2 profile: the master hands a message to a waiting consumer in the decision that
+    enqueued it, before the shell encodes the broadcast, so the Enqueue went out with a delivery count of 1
+    and the mirror's Deliver made it 2 (a redelivery flag and a delivery limit off by one after a failover);
+    and a delivered message could not join an EnqueueRun, so W2's publishes were never packed."""
+    from services.queue.master import Publish
+    from services.queue.mirror import QueueMirror
+    from services.queue.replica_core import Broadcast
+    from tests.replica_cores import fresh_master
+
+    driven = fresh_master(durable=False)
+    driven.core.consume("c1", 10, 0, 0)
+    _, _, effects = driven.core.publish([Publish(b"a", "p", 1), Publish(b"b", "p", 2, headers={"k": "v"})], 5)
+    [report] = [report for effect in effects if isinstance(effect, Broadcast) for report in effect.reports]
+    assert isinstance(report, Transaction)
+    changes = queue_replication_pb2.QueueReport.FromString(wire.encode(report)).transaction.changes
+    assert [change.WhichOneof("kind") for change in changes] == ["enqueue_run", "enqueue", "deliver"]
+    mirror = QueueMirror("q", "node2.b")
+    for decoded in wire.decode_all([wire.encode(report)]):
+        assert isinstance(decoded, Transaction)
+        mirror.apply(decoded)
+    master = driven.core.master
+    assert master is not None
+    counts = {m.id: m.delivery_count for m in master.core.contents.messages.values()}
+    assert counts == {m.id: m.delivery_count for m in mirror.contents.messages.values()}
+    assert set(counts.values()) == {1}
 
 
 def _enqueues(*messages: Message) -> tuple[Enqueue, ...]:
@@ -117,7 +145,8 @@ def test_a_publish_requests_enqueues_travel_as_one_run_and_come_back_as_they_wer
 
 def test_a_run_breaks_where_a_message_differs_and_every_message_survives() -> None:
     """A gap in the ids, another publisher, persistence or enqueue time, or a message with headers, a
-    priority, an expiry or a delivery count of its own starts a new run or travels alone."""
+    priority or an expiry of its own starts a new run or travels alone; a delivery count does not (an
+    enqueued message travels undelivered)."""
     messages = [
         Message(1, b"a", "p", 1, enqueued_at_ms=5),
         Message(2, b"b", "p", 2, enqueued_at_ms=5),
@@ -128,13 +157,16 @@ def test_a_run_breaks_where_a_message_differs_and_every_message_survives() -> No
         Message(8, b"headers", "q", 4, persistent=True, headers={"k": "v"}, enqueued_at_ms=6),
         Message(9, b"priority", "q", 5, persistent=True, priority=3, enqueued_at_ms=6),
         Message(10, b"expiry", "q", 6, persistent=True, enqueued_at_ms=6, expires_at_ms=60),
-        Message(11, b"redelivered", "q", 7, persistent=True, enqueued_at_ms=6, delivery_count=1),
-        Message(12, b"no publisher", enqueued_at_ms=6),
-        Message(13, b"no publisher either", enqueued_at_ms=6),
+        Message(11, b"delivered", "q", 7, persistent=True, enqueued_at_ms=6, delivery_count=1),
+        Message(12, b"joins", "q", 8, persistent=True, enqueued_at_ms=6),
+        Message(13, b"no publisher", enqueued_at_ms=6),
+        Message(14, b"no publisher either", enqueued_at_ms=6),
     ]
     report = Transaction((Settle((1,)), *_enqueues(*messages), Discard((1,), "maxlen")))
-    assert wire.decode(wire.encode(report)) == report
-    assert _run_sizes(report) == ["settle", 2, 1, 1, 1, 1, "enqueue", "enqueue", "enqueue", "enqueue", 2, "discard"]
+    undelivered = [*messages[:9], Message(11, b"delivered", "q", 7, persistent=True, enqueued_at_ms=6), *messages[10:]]
+    expected = Transaction((Settle((1,)), *_enqueues(*undelivered), Discard((1,), "maxlen")))
+    assert wire.decode(wire.encode(report)) == expected
+    assert _run_sizes(report) == ["settle", 2, 1, 1, 1, 1, "enqueue", "enqueue", "enqueue", 2, 2, "discard"]
 
 
 def test_malformed_runs_are_refused() -> None:

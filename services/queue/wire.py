@@ -49,10 +49,11 @@ def message_to_proto(message: Message) -> pb.ReplicatedMessage:
     return out
 
 
-def _fill(out: pb.ReplicatedMessage, message: Message) -> None:
+def _fill(out: pb.ReplicatedMessage, message: Message, *, delivered: bool = True) -> None:
     """Set `out`'s fields from `message` in place, only those that differ from their defaults: on the hot
     paths (one per published message, one per logged one) building a ReplicatedMessage from keyword
-    arguments and copying it into a report took three times as long."""
+    arguments and copying it into a report took three times as long. Without `delivered`, the message's
+    delivery count is left out (an enqueued one, see `_encode_into`)."""
     out.id = message.id
     out.body = message.body
     if message.publisher:
@@ -62,7 +63,7 @@ def _fill(out: pb.ReplicatedMessage, message: Message) -> None:
     flags = message.flags
     if flags & PERSISTENT_FLAG:
         out.persistent = True
-    if flags > PERSISTENT_FLAG:
+    if flags > PERSISTENT_FLAG and delivered:
         out.delivery_count = message.delivery_count
     out.enqueued_at_ms = message.enqueued_at_ms
     if message.extras is not None:
@@ -113,7 +114,9 @@ def encode(report: AnyReport) -> bytes:
 
 def _encode_into(out: pb.QueueReport, report: AnyReport) -> None:
     if isinstance(report, Enqueue):
-        _fill(out.enqueue, report.message)
+        # An enqueued message was never delivered: its Message may count deliveries already, made by the
+        # same decision and reported after it (a consumer was waiting), which a mirror applies itself.
+        _fill(out.enqueue, report.message, delivered=False)
     elif isinstance(report, Deliver):
         out.deliver.ids.extend(report.ids)
     elif isinstance(report, Settle):
@@ -160,10 +163,11 @@ def _encode_into(out: pb.QueueReport, report: AnyReport) -> None:
 
 def _run_key(message: Message) -> tuple[str, int, int] | None:
     """What the messages of one EnqueueRun share (publisher, persistence, enqueue time), or None for a
-    message that cannot join a run (headers, a priority, an expiry or a delivery count of its own)."""
-    if message.extras is not None or message.flags > PERSISTENT_FLAG:
+    message that cannot join a run (headers, a priority or an expiry of its own). Its delivery count is
+    no part of it: an enqueued message travels as never delivered (`_encode_into`)."""
+    if message.extras is not None:
         return None
-    return message.publisher, message.flags, message.enqueued_at_ms
+    return message.publisher, message.flags & PERSISTENT_FLAG, message.enqueued_at_ms
 
 
 def _encode_changes(out: pb.Transaction, changes: tuple[PlainChange, ...]) -> None:
