@@ -85,7 +85,7 @@ class QueueContents:
         self._ready_heap: list[int] = []
         self._heap_checked_at = HEAP_SLACK  # the heap's length up to which it needs no pruning (`_make_ready`)
         self.unacked: set[int] = set()
-        self._peak = 0  # len(messages) at its highest since the tables were last rebuilt
+        self._peak = 0  # len(messages) at its highest since the tables were last rebuilt (`_remove`)
         self.publishers: dict[str, PublisherSeqs] = {}
         self.max_id = 0
         # The id of the first message this replica received by Enqueue: older
@@ -120,6 +120,29 @@ class QueueContents:
             heapq.heappop(heap)
         return self.messages[heap[0]] if heap else None
 
+    def take_ready(self, most: int) -> list[Message]:
+        """Up to `most` (-1: every) ready messages in delivery order, each now pending acknowledgement and
+        counted as delivered: what applying a Deliver of their ids does, in one pass (the master's
+        dispatch, once per message it delivers)."""
+        heap, messages, unacked = self._ready_heap, self.messages, self.unacked
+        taken: list[Message] = []
+        while most and heap:
+            message_id = heapq.heappop(heap)
+            message = messages.get(message_id)
+            if message is None or message_id in unacked:
+                continue  # a stale id (`head`)
+            unacked.add(message_id)
+            message.count_delivery()
+            taken.append(message)
+            most -= 1
+        return taken
+
+    def enqueue(self, message: Message) -> None:
+        """Apply Enqueue(message) (the master's publish, once per message)."""
+        self._add(message, ready=True)
+        if not self.first_enqueued_id:
+            self.first_enqueued_id = message.id
+
     def ready_ids(self) -> Iterator[int]:
         """Ready ids, in delivery order."""
         return iter(sorted(self._live_ready()))
@@ -152,9 +175,7 @@ class QueueContents:
     def apply(self, report: Report) -> None:
         """Apply one report of the master (identically on master and mirrors)."""
         if isinstance(report, Enqueue):
-            self._add(report.message, ready=True)
-            if not self.first_enqueued_id:
-                self.first_enqueued_id = report.message.id
+            self.enqueue(report.message)
         elif isinstance(report, Deliver):
             messages, unacked = self.messages, self.unacked
             for message_id in report.ids:
@@ -223,9 +244,6 @@ class QueueContents:
         messages = self.messages
         if not messages.add(message):
             return
-        held = len(messages)
-        if held > self._peak:
-            self._peak = held
         self.bytes += len(message.body)
         if message.flags & PERSISTENT_FLAG:
             self.persistent_changes += 1
@@ -260,6 +278,9 @@ class QueueContents:
         self._heap_checked_at = 2 * len(self) + HEAP_SLACK
 
     def _remove(self, ids: Iterable[int]) -> None:
+        held = len(self.messages)
+        if held > self._peak:  # only removals lower the count: its highest was here or at an earlier removal
+            self._peak = held
         removed = self.messages.pop_many(ids)
         if not removed:
             return

@@ -227,7 +227,10 @@ class QueueMaster:
             expires_at_ms,
         )
         self.next_id += 1
-        self._report(Enqueue(message), step)
+        contents.enqueue(message)  # as `_report` would apply it, without looking up the report's type
+        step.reports.append(Enqueue(message))
+        if item.persistent:
+            step.last_log_change = len(step.reports) - 1
         if limits.max_length is not None or limits.max_length_bytes is not None:
             while self._over_limit():
                 head = contents.head()
@@ -543,25 +546,24 @@ class QueueMaster:
         contents = self.contents
         round_robin = not self.limits.single_active_consumer
         delivered: list[int] = []
-        while contents.head() is not None:
-            picked = self._pick()
-            if picked is None:
-                break
+        deliveries = step.deliveries
+        while (picked := self._pick()) is not None:
             consumer, rivals = picked
             # Equals take turns, one message each; a consumer with no rival takes what its credit allows at
             # once (the same deliveries, without choosing again for every message).
-            room = 1 if rivals else consumer.room()
-            unacked, deliveries = consumer.unacked, step.deliveries
-            while room and (head := contents.head()) is not None:
-                contents.apply(Deliver((head.id,)))
-                delivered.append(head.id)
-                tag = consumer.next_tag
-                consumer.next_tag += 1
-                unacked[tag] = head.id
-                deliveries.append(Delivery(consumer.tag, tag, head, head.redelivered))
-                room -= 1
+            taken = contents.take_ready(1 if rivals else consumer.room())
+            if not taken:
+                break
+            unacked, consumer_tag, tag = consumer.unacked, consumer.tag, consumer.next_tag
+            for message in taken:
+                message_id = message.id
+                delivered.append(message_id)
+                unacked[tag] = message_id
+                deliveries.append(Delivery(consumer_tag, tag, message, message.redelivered))
+                tag += 1
+            consumer.next_tag = tag
             if round_robin:  # the one just served goes to the back
-                self._consumers[consumer.tag] = self._consumers.pop(consumer.tag)
+                self._consumers[consumer_tag] = self._consumers.pop(consumer_tag)
         if delivered:
             step.reports.append(Deliver(tuple(delivered)))
 
