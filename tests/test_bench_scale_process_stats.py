@@ -36,13 +36,17 @@ def test_own_process_reads_and_a_missing_pid_is_none() -> None:
 
 
 def test_cpu_meter_sees_a_busy_process_and_leaves_out_a_missing_one() -> None:
+    # What the process got, by its own count: one busy thread gets about a core, less on a loaded machine
+    # (make test's other worker; 49 % was seen), so the meter is held to that, not to a fixed share.
+    wall, cpu = time.monotonic(), time.process_time()
     meter = CpuMeter([os.getpid(), 2**22 + 1])
     until = time.monotonic() + 0.3
     while time.monotonic() < until:
         pass
     used = meter.read()
+    got = (time.process_time() - cpu) / (time.monotonic() - wall) * 100
     assert set(used) == {os.getpid()}
-    assert 50 < used[os.getpid()] < 110  # one busy thread: about a core
+    assert got > 10 and abs(used[os.getpid()] - got) < 20, (used, got)
 
 
 def test_settled_means_every_pid_within_the_tolerance_over_the_history() -> None:
