@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from services.queue import wire
-from services.queue.ops import NO_HEADERS, Enqueue, Message
+from services.queue.ops import NO_HEADERS, Enqueue, Message, SyncBatch
 
 EVERYTHING = {
     "id": (3 << 40) + 9,
@@ -51,11 +51,17 @@ def test_counting_deliveries_keeps_the_persistent_flag(persistent: bool) -> None
 
 
 def test_it_crosses_the_wire_whole() -> None:
+    """Whole in a sync batch; in an Enqueue, whole but for its delivery count (an enqueued message travels
+    undelivered: services/queue/wire.py)."""
     for fields in (EVERYTHING, {"id": 1, "body": b""}, {**EVERYTHING, "headers": {}, "priority": 0}):
         message = Message(**fields)  # type: ignore[arg-type]
+        synced = wire.decode(wire.encode(SyncBatch("node2.b", (message,), ())))
+        assert isinstance(synced, SyncBatch) and synced.ready == (message,)
+        assert _read(synced.ready[0]) == _read(message)
+        undelivered = Message(**{**fields, "delivery_count": 0})  # type: ignore[arg-type]
         decoded = wire.decode(wire.encode(Enqueue(message)))
-        assert isinstance(decoded, Enqueue) and decoded.message == message
-        assert _read(decoded.message) == _read(message)
+        assert isinstance(decoded, Enqueue) and decoded.message == undelivered
+        assert _read(decoded.message) == _read(undelivered)
 
 
 def test_equality_compares_every_field() -> None:
