@@ -118,6 +118,10 @@ def test_an_enqueued_message_travels_undelivered_even_if_the_same_decision_deliv
     counts = {m.id: m.delivery_count for m in master.core.contents.messages.values()}
     assert counts == {m.id: m.delivery_count for m in mirror.contents.messages.values()}
     assert set(counts.values()) == {1}
+    older = queue_replication_pb2.QueueReport()  # as a master from before this fix encoded it
+    older.enqueue.id, older.enqueue.body, older.enqueue.delivery_count = 7, b"a", 1
+    decoded = wire.decode(older.SerializeToString())
+    assert isinstance(decoded, Enqueue) and decoded.message.delivery_count == 0
 
 
 def _enqueues(*messages: Message) -> tuple[Enqueue, ...]:

@@ -299,6 +299,7 @@ def _unpack_run(run: pb.EnqueueRun) -> list[Enqueue]:
 def _decode_plain(report: pb.QueueReport, kind: str) -> PlainChange:
     """One plain change (enqueue, deliver, settle, requeue or discard) from its parsed report."""
     if kind == "enqueue":
+        report.enqueue.ClearField("delivery_count")  # never delivered, whatever an older master sent
         return Enqueue(message_from_proto(report.enqueue))
     if kind == "deliver":
         return Deliver(tuple(report.deliver.ids))
