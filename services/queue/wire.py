@@ -2,7 +2,8 @@
 
 Responsible for: the only place that knows both shapes of a report. Reports
 travel as serialized QueueReport bytes in GM broadcasts. Guarantees: a report
-survives encode/decode unchanged; decoding malformed bytes raises ValueError, and
+survives encode/decode unchanged (but for an Enqueue's delivery count: an enqueued
+message travels as never delivered); decoding malformed bytes raises ValueError, and
 `decode_all` puts an `Undecodable` in the place of each body it cannot read.
 """
 
