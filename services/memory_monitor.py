@@ -56,10 +56,23 @@ def memory_alarm(used_bytes: int, watermark_bytes: int) -> bool:
     return watermark_bytes > 0 and used_bytes >= watermark_bytes
 
 
+_PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
+
+
 def resident_bytes() -> int:
-    """This process's resident memory (Linux: /proc/self/statm)."""
-    with open("/proc/self/statm") as statm:
-        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    """This process's resident memory (Linux: /proc/self/statm).
+
+    Read with os.read, not a text-mode open(): each text-mode open leaves a few small blocks in the
+    interpreter's allocator that later opens free and replace (about a hundred live at any time). Ten
+    times a second through a drain, those replacements land in whatever allocator pools the drain was
+    emptying, and each left one of the allocator's 1 MiB arenas with a single live block, which keeps
+    the whole arena from going back to the system: 27 of the 55 such arenas on the master after a
+    1,000,000-message drain held nothing else (issue 13: memory returned after a drain)."""
+    fd = os.open("/proc/self/statm", os.O_RDONLY)
+    try:
+        return int(os.read(fd, 256).split()[1]) * _PAGE_SIZE
+    finally:
+        os.close(fd)
 
 
 def total_memory_bytes() -> int:

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import sys
+import tracemalloc
 
 import pytest
 
@@ -40,6 +42,25 @@ def test_the_monitor_blocks_waiters_while_on_and_releases_them_when_off() -> Non
         assert not monitor.alarm and monitor.reason() == ""
 
     asyncio.run(scenario())
+
+
+def test_measuring_leaves_no_allocator_blocks_behind() -> None:
+    """Regression (issue 13): a text-mode open() of /proc/self/statm left small blocks that later calls
+    replaced; measured ten times a second through a drain, they landed in the pools being emptied and
+    kept the master's arenas from going back to the system: 84 % of its growth returned after a
+    1,000,000-message drain with them, 91-92 % without."""
+    resident_bytes()  # anything it caches on a first call is allowed
+    gc.collect()
+    tracemalloc.start(1)
+    try:
+        for _ in range(5000):
+            resident_bytes()
+        gc.collect()
+        here = tracemalloc.Filter(True, sys.modules[resident_bytes.__module__].__file__ or "")
+        left = tracemalloc.take_snapshot().filter_traces([here]).statistics("lineno")
+    finally:
+        tracemalloc.stop()
+    assert left == [], [str(stat) for stat in left]
 
 
 def test_a_negative_watermark_is_refused() -> None:
