@@ -65,7 +65,7 @@ from typing import Any, Self
 
 import grpc
 
-from bench.ack_batching import BATCHED, EACH, Ack, AckPolicy, AckTimer
+from bench.ack_batching import BATCHED, EACH, Ack, AckBatching, AckPolicy, AckTimer
 from bench.reference.rabbitmq_workloads import (
     FIXED_RATE,
     HEADER,
@@ -367,6 +367,8 @@ def take_leftovers(rc: RingqCluster, queue: str, idle_s: float = 1.0, limit_s: f
         await connection.queue_status(queue)  # fails (-> None) if the queue cannot be read
         seqs: list[int] = []
         consumer = connection.consumer(queue, prefetch=PREFETCH)
+        # every 500 with multiple; at the end only what is still pending (a tag acknowledged twice is refused)
+        batching = AckBatching(AckPolicy(every=500, interval_s=limit_s))
         last: aio.Delivery | None = None
         deadline = time.monotonic() + limit_s
         try:
@@ -377,9 +379,9 @@ def take_leftovers(rc: RingqCluster, queue: str, idle_s: float = 1.0, limit_s: f
                     break
                 seqs.append(HEADER.unpack_from(delivery.body)[0])
                 last = delivery
-                if len(seqs) % 500 == 0:
+                if batching.delivered(delivery.delivery_tag, time.monotonic()) is not None:
                     delivery.ack(multiple=True)
-            if last is not None:
+            if batching.flush() is not None and last is not None:
                 last.ack(multiple=True)
         finally:
             await consumer.close()

@@ -59,6 +59,15 @@ def test_one_ack_per_message_acknowledges_each_delivery_alone() -> None:
     assert batching.flush() is None
 
 
+def test_a_flush_right_after_the_count_trigger_has_nothing_to_acknowledge() -> None:
+    """Regression: the benchmark's drain acknowledged its last delivery again when the count was a
+    multiple of its batch (1,000,000 of 500), and the broker refused the unknown tag."""
+    batching = AckBatching(AckPolicy(every=2, interval_s=1.0))
+    assert batching.delivered(1, 0.0) is None
+    assert batching.delivered(2, 0.0) == Ack(2, multiple=True)
+    assert batching.flush() is None
+
+
 def test_flush_and_reset() -> None:
     batching = AckBatching(AckPolicy(every=10, interval_s=1.0))
     batching.delivered(1, 0.0)
