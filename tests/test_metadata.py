@@ -12,6 +12,7 @@ import pytest
 from services.coordinator import metadata
 from services.coordinator.leases import LeaseRefused
 from services.coordinator.metadata import Conflict, NotFound, QueueMismatch, QueueRecord
+from services.coordinator.placement_trigger import PassStart
 from services.coordinator.policies import Policy, PolicyError
 from services.coordinator.store import Record
 from tests.memory_store import MemoryStore
@@ -287,6 +288,35 @@ def test_unproven_nodes_keep_their_replicas_but_get_no_new_one() -> None:
     assert set(done.written) == {short.key}
     metadata.place_queues(store, "", NODES)  # n3 has proven itself alive
     assert metadata.get_queue(store, "/", "all.struck").mirrors == ("n2", "n3")
+
+
+def _struck_while_a_pass_reads() -> tuple[MemoryStore, PassStart]:
+    """A queue on n1 and n2 (ha-mode exactly 2), and n2 struck just after a pass took its start."""
+    store = MemoryStore()
+    metadata.set_policy(store, Policy("/", "two", "^two", {"ha-mode": "exactly", "ha-params": 2}), NODES)
+    queue = metadata.declare_queue(store, QueueRecord("/", "two.q"), NODES, preferred_master="n1")
+    assert queue.mirrors == ("n2",)
+    start = PassStart(frozenset(), {queue.key: (queue.version, queue.replicas)})
+    metadata.update_queue(store, replace(queue, mirrors=()), queue.version)
+    return store, start
+
+
+def test_a_strike_the_pass_reads_before_its_trigger_saw_it_puts_the_replica_elsewhere() -> None:
+    """Regression (a flaky tests/test_coordinator_placement_loop.py): a master struck n2 from a queue
+    while a pass was reading the records, so the pass's trigger had not seen the strike; with nothing
+    telling it otherwise, the pass put the replica straight back on n2 (dead, but alive by heartbeat for
+    the liveness timeout). Each record is now compared with the version the trigger knew."""
+    blind, start = _struck_while_a_pass_reads()
+    metadata.place_queues(blind, "", NODES, start.unproven)
+    assert metadata.get_queue(blind, "/", "two.q").mirrors == ("n2",), "without the comparison: back on n2"
+
+    store, start = _struck_while_a_pass_reads()
+
+    def unseen(record: QueueRecord) -> frozenset[str]:
+        return start.unseen_strikes(record.key, record.version, record.replicas)
+
+    metadata.place_queues(store, "", NODES, start.unproven, unseen)
+    assert metadata.get_queue(store, "/", "two.q").mirrors == ("n3",)
 
 
 class _CountingStore(MemoryStore):

@@ -137,3 +137,38 @@ def test_missed_changes_and_failed_passes_are_due() -> None:
     trigger.pass_starting(NODES, BEATS)
     trigger.pass_failed()
     assert trigger.due(NODES, BEATS)
+
+
+def test_a_strike_a_pass_reads_before_the_trigger_sees_it_keeps_the_node_unproven() -> None:
+    """Regression: a master struck n3 from q while a pass was reading the records. The pass read the
+    struck record before the change log brought it, so nothing told it n3 was struck: it put the
+    replica straight back on n3 (dead, but alive by heartbeat for the liveness timeout), and the change
+    log's strike came after the pass had reported a newer version, so it was never counted."""
+    trigger = settled()  # knows q at version 3 on n1, n2, n3
+    trigger.record_changed(change("other", 1, "n1"))  # something makes a pass due
+    assert trigger.due(NODES, BEATS)
+    start = trigger.pass_starting(NODES, BEATS)
+    assert start.unproven == frozenset()
+    # the pass reads q at version 4, struck meanwhile: n3 left it
+    assert start.unseen_strikes("q", 4, frozenset({"n1", "n2"})) == {"n3"}
+    assert start.unseen_strikes("q", 3, frozenset({"n1", "n2"})) == frozenset(), "not newer than known"
+    assert start.unseen_strikes("new", 1, frozenset({"n1"})) == frozenset(), "nothing known to compare with"
+    trigger.strikes_seen_by_pass({"n3"}, pass_started_unix_ms=3000)
+    trigger.pass_finished(NODES, {"q": (5, frozenset({"n1", "n2"})), "other": (1, frozenset({"n1"}))})
+    trigger.record_changed(change("q", 4, "n1", "n2", at_ms=3100))  # the log catches up: nothing new
+    trigger.record_changed(change("q", 5, "n1", "n2", at_ms=3100))
+    assert trigger.unproven_nodes(NODES, BEATS) == {"n3"}, "the strike the pass saw is remembered"
+    assert not trigger.due(NODES, BEATS)
+    assert trigger.unproven_nodes(NODES, {**BEATS, "n3": 3001}) == frozenset(), "a heartbeat after the pass"
+    assert trigger.due(NODES, {**BEATS, "n3": 3001}), "and its proof of life makes a pass due"
+
+
+def test_the_pass_start_is_a_copy_the_trigger_does_not_change_under_the_pass() -> None:
+    trigger = settled()
+    trigger.record_changed(change("q", 4, "n1", "n2"))
+    start = trigger.pass_starting(NODES, BEATS)
+    assert start.unproven == {"n3"} and start.known["q"] == (4, frozenset({"n1", "n2"}))
+    trigger.record_changed(change("q", 6, "n1"))
+    trigger.pass_finished(NODES, {"q": (5, frozenset({"n1", "n2"}))})
+    trigger.due(NODES, BEATS)  # absorbs version 6
+    assert start.known["q"] == (4, frozenset({"n1", "n2"}))

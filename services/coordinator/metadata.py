@@ -394,11 +394,16 @@ class PlacementPass:
 
 
 def place_queues(
-    store: Store, vhost: str, live_nodes: Sequence[str], unproven_nodes: Collection[str] = ()
+    store: Store,
+    vhost: str,
+    live_nodes: Sequence[str],
+    unproven_nodes: Collection[str] = (),
+    also_unproven: Callable[[QueueRecord], Collection[str]] | None = None,
 ) -> PlacementPass:
     """Re-apply the vhost's policies (every vhost's if `vhost` is empty) to each of its queues,
     placing them on `live_nodes`; a queue whose master is not live keeps its placement, and
-    `unproven_nodes` keep the replicas they hold but get no new one.
+    `unproven_nodes` keep the replicas they hold but get no new one; so do, for one queue,
+    `also_unproven(record)` of each record as read (services/coordinator/placement_trigger.py).
 
     One listing of the queues per pass: the replica load is counted from it once and kept up to
     date as the pass moves replicas, and a queue is read again only when its compare-and-set
@@ -411,7 +416,12 @@ def place_queues(
     written: dict[str, int] = {}
 
     def decide(current: QueueRecord) -> QueueRecord:
-        return _placed(current, all_policies, live_nodes, load, unproven_nodes)
+        unproven = unproven_nodes
+        if also_unproven is not None:
+            extra = also_unproven(current)
+            if extra:
+                unproven = {*unproven_nodes, *extra}
+        return _placed(current, all_policies, live_nodes, load, unproven)
 
     for queue in listed:
         if vhost and queue.vhost != vhost:

@@ -32,9 +32,15 @@ Unproven nodes that are no longer placeable are forgotten: they come back
 through the placeable nodes changing.
 
 A strike that lands while a pass is reading the records may be read by that
-pass before the trigger sees it; that pass may then put the replica straight
-back (as if the node had proven itself), which the next change of the
-placeable nodes corrects if the node is in fact dead.
+pass before the trigger sees it (the change log delivers it a little later,
+and by then the pass has reported a newer version, so it looks like nothing
+new). The pass therefore takes, when it starts, the versions the trigger knows
+(`PassStart.known`), and counts every node that a record it reads shows gone
+since that version as unproven too (`unseen_strikes`); it reports those nodes
+back (`strikes_seen_by_pass`), struck as of the pass's start. A queue the
+trigger knew nothing of when the pass started has no version to compare with:
+a strike in the same moment as its declaration can still be missed, and the
+next change of the placeable nodes corrects that if the node is in fact dead.
 
 Guarantees: a pass's own writes never make another pass due, since the pass
 reports the version it left every queue at and older versions are nothing
@@ -59,6 +65,23 @@ class RecordChange:
     replicas: frozenset[str] | None
     # When the coordinator saw the change (its clock, unix ms): a strike's moment.
     seen_at_unix_ms: int
+
+
+@dataclass(frozen=True)
+class PassStart:
+    """What a pass works with, fixed when it starts: the nodes that get no new replica, and every
+    queue's newest version and replica nodes known to the trigger then, by key."""
+
+    unproven: frozenset[str]
+    known: Mapping[str, tuple[int, frozenset[str]]]
+
+    def unseen_strikes(self, key: str, version: int, replicas: Collection[str]) -> frozenset[str]:
+        """The nodes a record the pass read (`key` at `version`, on `replicas`) shows gone since the
+        version the trigger knew: struck by someone else's write that the trigger has not seen yet."""
+        known = self.known.get(key)
+        if known is None or known[0] >= version:
+            return frozenset()
+        return known[1].difference(replicas)
 
 
 class PlacementTrigger:
@@ -106,8 +129,9 @@ class PlacementTrigger:
 
     # ---------------------------------------------------------------- passes
 
-    def pass_starting(self, placeable_nodes: Collection[str], heartbeats_unix_ms: Mapping[str, int]) -> None:
-        """A pass over `placeable_nodes` is about to read the records: what was seen so far is covered."""
+    def pass_starting(self, placeable_nodes: Collection[str], heartbeats_unix_ms: Mapping[str, int]) -> PassStart:
+        """A pass over `placeable_nodes` is about to read the records: what was seen so far is covered.
+        Returns what the pass works with (a copy: the pass may run on another thread)."""
         self._absorb()
         self._records_changed = False
         self._struck_at_unix_ms = {
@@ -115,6 +139,14 @@ class PlacementTrigger:
             for node, at in self._struck_at_unix_ms.items()
             if node in placeable_nodes and not self._proven(node, heartbeats_unix_ms)
         }
+        return PassStart(frozenset(self._struck_at_unix_ms), dict(self._known))
+
+    def strikes_seen_by_pass(self, nodes: Collection[str], pass_started_unix_ms: int) -> None:
+        """A pass read records that struck `nodes` before this trigger saw them (`PassStart.unseen_strikes`):
+        they are unproven until a heartbeat newer than the pass's start (a later moment than the strike,
+        so never too early)."""
+        for node in nodes:
+            self._struck_at_unix_ms[node] = max(self._struck_at_unix_ms.get(node, 0), pass_started_unix_ms)
 
     def pass_finished(self, placeable_nodes: Sequence[str], queues: Mapping[str, tuple[int, frozenset[str]]]) -> None:
         """The pass placed on `placeable_nodes`; `queues` is every queue as the pass left it

@@ -358,13 +358,22 @@ async def _place_if_due(store: Store, trigger: PlacementTrigger, liveness_ms: in
     heartbeats = {n.node: n.last_heartbeat_unix_ms for n in nodes if n.last_heartbeat_unix_ms is not None}
     if not trigger.due(live, heartbeats):
         return 0.0
-    unproven = trigger.unproven_nodes(live, heartbeats)
-    trigger.pass_starting(live, heartbeats)
-    started = time.monotonic()
-    done = await passes.run(lambda: metadata.place_queues(store, "", live, unproven))
+    start = trigger.pass_starting(live, heartbeats)
+    unproven = start.unproven
+    started, started_unix_ms = time.monotonic(), now_ms()
+    strikes_seen: set[str] = set()
+
+    def unseen_strikes(queue: metadata.QueueRecord) -> frozenset[str]:
+        struck = start.unseen_strikes(queue.key, queue.version, queue.replicas)
+        strikes_seen.update(struck)
+        return struck
+
+    done = await passes.run(lambda: metadata.place_queues(store, "", live, unproven, unseen_strikes))
+    trigger.strikes_seen_by_pass(strikes_seen, started_unix_ms)
     trigger.pass_finished(live, {key: (queue.version, queue.replicas) for key, queue in done.queues.items()})
     if done.written:
-        waiting = f" ({', '.join(sorted(unproven))} not heard from since struck)" if unproven else ""
+        struck = sorted({*unproven, *strikes_seen})
+        waiting = f" ({', '.join(struck)} not heard from since struck)" if struck else ""
         log.info("nodes %s%s: %d queue(s) re-placed", ", ".join(live), waiting, len(done.written))
     return time.monotonic() - started
 
