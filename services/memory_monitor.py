@@ -77,7 +77,7 @@ def resident_bytes() -> int:
 
 def total_memory_bytes() -> int:
     """The machine's memory."""
-    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return os.sysconf("SC_PHYS_PAGES") * _PAGE_SIZE
 
 
 def default_watermark_bytes() -> int:

@@ -361,7 +361,7 @@ async def _place_if_due(store: Store, trigger: PlacementTrigger, liveness_ms: in
     start = trigger.pass_starting(live, heartbeats)
     unproven = start.unproven
     started, started_unix_ms = time.monotonic(), now_ms()
-    strikes_seen: set[str] = set()
+    strikes_seen: set[str] = set()  # filled on the pass's thread, read once the pass is over
 
     def unseen_strikes(queue: metadata.QueueRecord) -> frozenset[str]:
         struck = start.unseen_strikes(queue.key, queue.version, queue.replicas)
