@@ -4,15 +4,23 @@ Two measurements bound what ringq can reach, since every hop of a message is a g
 between Python processes (asyncio, the I/O path services/grpc_io.py chooses):
 
 - the CPU one stream write costs the writing process, for a small and a ring-frame-sized message;
-- the latency of ringq's path shape made of bare relays: producer -> A -> B -> C -> A -> consumer, three
-  relay processes (A carries two hops, as the master does: the publish in, the ring's return and the
-  delivery out), 256-byte messages at fixed rates, each relay forwarding every message as it comes;
-  latency from the producer's send to the consumer's receipt, and the relays' CPU.
+- the latency of three path shapes made of bare relays, 256-byte messages at fixed rates:
+  - `ring`, the ring round, then delivery (ringq's shape): producer -> A -> B -> C -> A -> consumer, A carrying
+    two hops as a master does (the publish in; the ring's return and the delivery out). A confirmed,
+    delivered message in ringq crosses these five hops at least: a mirror holds the message, and knows
+    it was delivered, before the consumer sees it.
+  - `beside`, delivery beside the ring round: A hands each message to the consumer at once and sends it round
+    B -> C -> A at the same time (what a master that delivers before its mirrors have the message
+    would do: two hops to the consumer, with the ring's traffic on the same processes).
+  - `direct`, no ring: producer -> A -> consumer, two hops and nothing else.
 
-A confirmed, delivered message in ringq crosses these five hops at least (publish, three ring hops,
-delivery): the relays' latency is a floor under W2 at a fixed rate.
+The relays do the least we know how to do in Python gRPC: a relay never waits for a write before reading on, and
+what queues behind a write goes out with the next one as a single gRPC message (ringq's links do the
+same). Producer and consumer are separate processes, as in `make bench`, and latency runs from each
+message's scheduled send time to its receipt, as there. Shapes and rates take turns, repeated `--runs`
+times; a cell is the median (min-max) of the runs.
 
-    python -m bench.grpc_floor [--rates 500,1000,2000] [--seconds 6] [--write docs/benchmarks.md]
+    python -m bench.grpc_floor [--rates 1000,2000] [--seconds 6] [--runs 3] [--write docs/benchmarks.md]
 """
 
 from __future__ import annotations
@@ -26,11 +34,13 @@ import os
 import platform
 import resource
 import socket
+import statistics
 import struct
 import subprocess
 import sys
+import tempfile
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -42,8 +52,27 @@ from bench.markdown import command_line, replace_marked
 MARK_BEGIN = "<!-- grpc-floor:begin -->"
 MARK_END = "<!-- grpc-floor:end -->"
 _SERVICE, _METHOD = "floor.Relay", "/floor.Relay/Stream"
-_STAMP = struct.Struct("<Bq")  # the hop index, then the send time (perf_counter_ns)
+_STAMP = struct.Struct("<Bq")  # the hop index, then the scheduled send time (perf_counter_ns)
+_LENGTH = struct.Struct("<I")  # each message in a gRPC message is prefixed by its length
 BODY_BYTES = 256
+PRIMING = 0  # the stamp of the messages that dial every link before the timed ones: not counted
+THE_END = -1  # the stamp of the message that follows the last timed one: the consumer writes out
+WARM_UP_S = 1.0  # sent at the rate before the timed messages
+
+# Path shapes: for each relay (by its place: 0 is A, 1 is B, 2 is C), the places a message with hop index i
+# goes to next; "consumer" is the consumer's place.
+Route = dict[int, list[list[int | str]]]
+SHAPES: dict[str, tuple[str, Route]] = {
+    "ring": (
+        "ring round, then delivery (ringq): producer -> A -> B -> C -> A -> consumer",
+        {0: [[1], [], [], ["consumer"]], 1: [[], [2]], 2: [[], [], [0]]},
+    ),
+    "beside": (
+        "delivery beside the ring round: producer -> A -> consumer, and A -> B -> C -> A",
+        {0: [[1, "consumer"], [], [], []], 1: [[], [2]], 2: [[], [], [0]]},
+    ),
+    "direct": ("no ring: producer -> A -> consumer", {0: [["consumer"]]}),
+}
 
 
 def _same(data: bytes) -> bytes:
@@ -58,24 +87,63 @@ def _server(on_stream: Callable[[AsyncIterator[bytes], Any], AsyncIterator[bytes
     return server
 
 
-def _stream_to(port: int) -> Any:
+def _stream_to(port: int) -> tuple[grpc.aio.Channel, Any]:
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
     stream: Any = channel.stream_stream(_METHOD, request_serializer=_same, response_deserializer=_same)
-    return stream(wait_for_ready=True)
+    return channel, stream(wait_for_ready=True)
 
 
-async def _relay(port: int, route: list[int]) -> None:
-    """Serve on `port`; forward a message stamped with hop i to route[i], stamped i + 1 (no route: a sink)."""
-    calls: dict[int, Any] = {}
+def _messages(frame: bytes) -> Iterator[bytes]:
+    """The length-prefixed messages one gRPC message carries."""
+    at = 0
+    while at < len(frame):
+        (length,) = _LENGTH.unpack_from(frame, at)
+        yield frame[at + _LENGTH.size : at + _LENGTH.size + length]
+        at += _LENGTH.size + length
+
+
+class _Outbox:
+    """A stream to one port whose writer sends, in one gRPC message, everything queued behind its last write."""
+
+    def __init__(self, port: int) -> None:
+        self._channel, self._call = _stream_to(port)
+        self._queued: list[bytes] = []
+        self._wake = asyncio.Event()
+        self._writer = asyncio.get_running_loop().create_task(self._write())
+
+    def put(self, message: bytes) -> None:
+        self._queued.append(_LENGTH.pack(len(message)) + message)
+        self._wake.set()
+
+    async def _write(self) -> None:
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            batch, self._queued = self._queued, []
+            await self._call.write(b"".join(batch))
+
+    async def close(self) -> None:
+        """Once what was queued is written: end the stream and close the channel."""
+        while self._queued or self._wake.is_set():
+            await asyncio.sleep(0.01)
+        self._writer.cancel()
+        await self._channel.close(None)
+
+
+async def _relay(port: int, route: list[list[int]]) -> None:
+    """Serve on `port`; send a message with hop index i to every port of route[i], with hop index i + 1."""
+    outboxes: dict[int, _Outbox] = {}
 
     async def on_stream(requests: AsyncIterator[bytes], context: Any) -> AsyncIterator[bytes]:
-        async for message in requests:
+        async for frame in requests:
             if not route:
-                continue
-            target = route[message[0]]
-            if target not in calls:
-                calls[target] = _stream_to(target)
-            await calls[target].write(bytes([message[0] + 1]) + message[1:])
+                continue  # a sink (measure_writes): its bytes are not messages
+            for message in _messages(frame):
+                hop = message[0]
+                for target in route[hop] if hop < len(route) else ():
+                    if target not in outboxes:
+                        outboxes[target] = _Outbox(target)
+                    outboxes[target].put(bytes([hop + 1]) + message[1:])
         return
         yield b""  # a stream handler: it answers nothing
 
@@ -84,44 +152,66 @@ async def _relay(port: int, route: list[int]) -> None:
     await server.wait_for_termination()
 
 
+async def _consume(port: int, out: Path) -> None:
+    """Serve on `port`, noting each message's stamp and receipt time until THE_END arrives; write them to `out`."""
+    received: list[tuple[int, int]] = []
+    ended = asyncio.Event()
+
+    async def on_stream(requests: AsyncIterator[bytes], context: Any) -> AsyncIterator[bytes]:
+        async for frame in requests:
+            now = time.perf_counter_ns()
+            for message in _messages(frame):
+                stamp = _STAMP.unpack_from(message)[1]
+                if stamp == THE_END:
+                    ended.set()
+                elif stamp != PRIMING:
+                    received.append((stamp, now))
+        return
+        yield b""
+
+    server = _server(on_stream, port)
+    await server.start()
+    await ended.wait()
+    out.write_text("".join(f"{stamp} {now}\n" for stamp, now in received))
+    await server.stop(None)
+
+
+async def _produce(first: int, rate: float, seconds: float, mark: Callable[[], None]) -> tuple[int, int]:
+    """Send to port `first` at `rate` for WARM_UP_S + `seconds`, each message stamped with its scheduled send
+    time, then THE_END; the number of timed messages and the scheduled time of the first one. `mark` is
+    called when the timed messages start and when the last one is sent."""
+    outbox = _Outbox(first)
+    padding = bytes(BODY_BYTES - _STAMP.size)
+    for _ in range(20):  # dial every link of the path before the clock starts
+        outbox.put(_STAMP.pack(0, PRIMING) + padding)
+        await asyncio.sleep(0.05)
+    interval_ns = round(1e9 / rate)
+    start_ns = time.perf_counter_ns()
+    warm_up = round(WARM_UP_S * rate)
+    total = warm_up + round(seconds * rate)
+    for sent in range(total):
+        if sent == warm_up:
+            mark()
+        scheduled = start_ns + sent * interval_ns
+        delay = (scheduled - time.perf_counter_ns()) / 1e9
+        if delay > 0:
+            await asyncio.sleep(delay)
+        outbox.put(_STAMP.pack(0, scheduled) + padding)
+    mark()
+    outbox.put(_STAMP.pack(0, THE_END) + padding)
+    await outbox.close()
+    return total - warm_up, start_ns + warm_up * interval_ns
+
+
 @dataclass
 class PathResult:
+    shape: str
     rate: float
     sent: int
     received: int
     p50_ms: float
     p99_ms: float
     relay_cores: float
-
-
-async def _drive(first: int, consumer: int, rate: float, seconds: float) -> tuple[int, list[float]]:
-    latencies: list[float] = []
-
-    async def on_stream(requests: AsyncIterator[bytes], context: Any) -> AsyncIterator[bytes]:
-        async for message in requests:
-            latencies.append((time.perf_counter_ns() - _STAMP.unpack_from(message)[1]) / 1e6)
-        return
-        yield b""
-
-    server = _server(on_stream, consumer)
-    await server.start()
-    call = _stream_to(first)
-    await call.write(_STAMP.pack(0, time.perf_counter_ns()) + bytes(BODY_BYTES - _STAMP.size))  # all dialled
-    deadline = time.monotonic() + 30
-    while not latencies and time.monotonic() < deadline:
-        await asyncio.sleep(0.05)
-    latencies.clear()
-    padding = bytes(BODY_BYTES - _STAMP.size)
-    start, sent = time.perf_counter(), 0
-    while time.perf_counter() - start < seconds:
-        delay = start + sent / rate - time.perf_counter()
-        if delay > 0:
-            await asyncio.sleep(delay)
-        await call.write(_STAMP.pack(0, time.perf_counter_ns()) + padding)
-        sent += 1
-    await asyncio.sleep(1.0)
-    await server.stop(None)
-    return sent, latencies
 
 
 def _free_ports(count: int) -> list[int]:
@@ -144,35 +234,56 @@ def _percentile(values: list[float], share: float) -> float:
     return ordered[min(len(ordered) - 1, int(len(ordered) * share))]
 
 
-def measure_path(rate: float, seconds: float) -> PathResult:
-    a, b, c, consumer = _free_ports(4)
-    routes = {a: [b, 0, 0, consumer], b: [0, c], c: [0, 0, a]}  # hop i goes to routes[relay][i]
+def _spawn(*arguments: str) -> subprocess.Popen[bytes]:
+    return subprocess.Popen([sys.executable, "-m", "bench.grpc_floor", *arguments])
+
+
+def measure_path(shape: str, rate: float, seconds: float) -> PathResult:
+    """One run of `shape` (a key of SHAPES) at `rate` msgs/s for `seconds` after the warm-up."""
+    route = SHAPES[shape][1]
+    ports = _free_ports(len(route) + 1)
+    consumer = ports[-1]
+
+    def port_of(place: int | str) -> str:
+        return str(consumer if place == "consumer" else ports[int(place)])
+
     relays = [
-        subprocess.Popen([sys.executable, "-m", "bench.grpc_floor", "relay", str(port), *map(str, route)])
-        for port, route in routes.items()
+        _spawn("relay", str(ports[place]), *(",".join(map(port_of, targets)) or "-" for targets in hops))
+        for place, hops in route.items()
     ]
-    try:
-        before = sum(_cpu_seconds(p.pid) for p in relays)
-        started = time.monotonic()
-        sent, latencies = asyncio.run(_drive(a, consumer, rate, seconds))
-        cores = (sum(_cpu_seconds(p.pid) for p in relays) - before) / (time.monotonic() - started)
-    finally:
-        for relay in relays:
-            relay.kill()
-            relay.wait()
+    with tempfile.TemporaryDirectory(prefix="ringq-floor-") as directory:
+        out = Path(directory) / "received"
+        consumer_process = _spawn("consume", str(consumer), str(out))
+        try:
+            marks: list[tuple[float, float]] = []  # (relays' CPU seconds, monotonic time) at the timed part's ends
+
+            def mark() -> None:
+                marks.append((sum(_cpu_seconds(p.pid) for p in relays), time.monotonic()))
+
+            sent, timed_from = asyncio.run(_produce(ports[0], rate, seconds, mark))
+            (cpu_before, started), (cpu_after, ended) = marks
+            cores = (cpu_after - cpu_before) / (ended - started)
+            consumer_process.wait(timeout=30)
+            pairs = (map(int, line.split()) for line in out.read_text().splitlines())
+            latencies = [(now - stamp) / 1e6 for stamp, now in pairs if stamp >= timed_from]
+        finally:
+            for process in (*relays, consumer_process):
+                process.kill()
+                process.wait()
     kept = latencies or [float("nan")]
-    return PathResult(rate, sent, len(latencies), _percentile(kept, 0.5), _percentile(kept, 0.99), cores)
+    return PathResult(shape, rate, sent, len(latencies), _percentile(kept, 0.5), _percentile(kept, 0.99), cores)
 
 
 async def _write_cost(size: int, count: int, port: int) -> tuple[float, float]:
     """CPU seconds (user, system) one stream write of `size` bytes costs this process."""
-    call = _stream_to(port)
+    channel, call = _stream_to(port)
     message = os.urandom(size)
     await call.write(message)
     before = resource.getrusage(resource.RUSAGE_SELF)
     for _ in range(count):
         await call.write(message)
     after = resource.getrusage(resource.RUSAGE_SELF)
+    await channel.close(None)
     return (after.ru_utime - before.ru_utime) / count, (after.ru_stime - before.ru_stime) / count
 
 
@@ -186,7 +297,13 @@ def measure_writes(sizes: list[int], count: int) -> dict[int, tuple[float, float
         sink.wait()
 
 
+def _spread(values: list[float], digits: int = 2) -> str:
+    """median (min-max)"""
+    return f"{statistics.median(values):.{digits}f} ({min(values):.{digits}f}-{max(values):.{digits}f})"
+
+
 def section(writes: dict[int, tuple[float, float]], paths: list[PathResult], command: str) -> str:
+    runs = max((sum(1 for p in paths if (p.shape, p.rate) == (q.shape, q.rate)) for q in paths), default=0)
     lines = [
         MARK_BEGIN,
         "## Python gRPC alone: the floor under every hop (`make bench-floor`)",
@@ -206,15 +323,20 @@ def section(writes: dict[int, tuple[float, float]], paths: list[PathResult], com
         lines.append(f"| {size:,} bytes | {(user + system) * 1e6:.0f} ({user * 1e6:.0f} + {system * 1e6:.0f}) |")
     lines += [
         "",
-        "| producer -> A -> B -> C -> A -> consumer, 256-byte messages at | received | p50 ms | p99 ms "
-        "| relays' CPU, cores |",
-        "|---:|---:|---:|---:|---:|",
+        f"Bare relays, 256-byte messages; latency from the scheduled send time to the consumer's receipt; "
+        f"median (min-max) of {runs} runs, shapes and rates taking turns:",
+        "",
+        "| path | rate, msgs/s | received of sent, all runs | p50 ms | p99 ms | relays' CPU, cores |",
+        "|---|---:|---:|---:|---:|---:|",
     ]
-    for path in paths:
-        lines.append(
-            f"| {path.rate:,.0f} msgs/s | {path.received:,} of {path.sent:,} | {path.p50_ms:.2f} | {path.p99_ms:.2f} "
-            f"| {path.relay_cores:.2f} |"
-        )
+    for shape, (description, _) in SHAPES.items():
+        for rate in dict.fromkeys(p.rate for p in paths if p.shape == shape):
+            runs_of = [p for p in paths if (p.shape, p.rate) == (shape, rate)]
+            lines.append(
+                f"| {description} | {rate:,.0f} | {sum(p.received for p in runs_of):,} of "
+                f"{sum(p.sent for p in runs_of):,} | {_spread([p.p50_ms for p in runs_of])} | "
+                f"{_spread([p.p99_ms for p in runs_of])} | {_spread([p.relay_cores for p in runs_of])} |"
+            )
     lines.append(MARK_END)
     return "\n".join(lines)
 
@@ -222,16 +344,32 @@ def section(writes: dict[int, tuple[float, float]], paths: list[PathResult], com
 def main(argv: list[str] | None = None) -> int:
     arguments = sys.argv[1:] if argv is None else argv
     if arguments[:1] == ["relay"]:
-        asyncio.run(_relay(int(arguments[1]), [int(port) for port in arguments[2:]]))
+        hops = [[int(port) for port in targets.split(",")] if targets != "-" else [] for targets in arguments[2:]]
+        asyncio.run(_relay(int(arguments[1]), hops))
+        return 0
+    if arguments[:1] == ["consume"]:
+        asyncio.run(_consume(int(arguments[1]), Path(arguments[2])))
         return 0
     parser = argparse.ArgumentParser(prog="python -m bench.grpc_floor", description=__doc__.splitlines()[0])
-    parser.add_argument("--rates", default="500,1000,2000", help="msgs/s of the relay path, comma-separated")
-    parser.add_argument("--seconds", type=float, default=6.0, help="how long each rate is sent (default 6)")
+    parser.add_argument("--rates", default="1000,2000", help="msgs/s of the relay paths, comma-separated")
+    parser.add_argument("--seconds", type=float, default=6.0, help="how long each run is timed (default 6)")
+    parser.add_argument("--runs", type=int, default=3, help="runs of each shape at each rate (default 3)")
+    parser.add_argument("--shapes", default=",".join(SHAPES), help="path shapes, comma-separated")
     parser.add_argument("--writes", type=int, default=3000, help="stream writes timed per size (default 3000)")
     parser.add_argument("--write", type=Path, help="put the results into this Markdown file")
     args = parser.parse_args(arguments)
+    shapes = args.shapes.split(",")
+    unknown = [shape for shape in shapes if shape not in SHAPES]
+    if unknown:
+        parser.error(f"unknown shapes {unknown}: choose from {list(SHAPES)}")
     writes = measure_writes([BODY_BYTES, 26_000], args.writes)
-    paths = [measure_path(float(rate), args.seconds) for rate in args.rates.split(",")]
+    paths = []
+    for _ in range(args.runs):
+        for rate in args.rates.split(","):
+            for shape in shapes:
+                path = measure_path(shape, float(rate), args.seconds)
+                print(path, flush=True)
+                paths.append(path)
     text = section(writes, paths, command_line("bench.grpc_floor", "bench-floor", argv))
     print(text)
     if args.write is not None:

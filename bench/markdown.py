@@ -14,7 +14,7 @@ def command_line(module: str, make_target: str, argv: Sequence[str] | None) -> s
     its own), else `python -m MODULE` with the arguments it was given."""
     if argv is None and os.environ.get("MAKELEVEL"):
         return f"make {make_target}"
-    return f"python -m {module} " + " ".join(sys.argv[1:] if argv is None else argv)
+    return " ".join(["python -m", module, *(sys.argv[1:] if argv is None else argv)])
 
 
 def replace_marked(path: Path, begin: str, end: str, text: str) -> None:

@@ -1,5 +1,5 @@
-"""`make bench-floor` (bench/grpc_floor.py): its table, and a short real run of the relay path (every message
-crosses the five hops and arrives)."""
+"""`make bench-floor` (bench/grpc_floor.py): its table, and a short real run of each relay path (every
+message crosses its hops and arrives)."""
 
 from __future__ import annotations
 
@@ -12,14 +12,25 @@ from bench.grpc_floor import PathResult
 def test_the_section_names_the_command_and_every_figure() -> None:
     text = grpc_floor.section(
         {256: (40e-6, 50e-6), 26_000: (35e-6, 45e-6)},
-        [PathResult(500.0, 3000, 3000, 1.26, 10.0, 0.6)],
+        [
+            PathResult("ring", 2000.0, 12000, 12000, 1.5, 5.0, 0.9),
+            PathResult("direct", 2000.0, 12000, 12000, 0.9, 1.7, 0.25),
+            PathResult("ring", 2000.0, 12000, 11999, 2.5, 9.0, 1.1),
+            PathResult("direct", 2000.0, 12000, 12000, 1.0, 1.8, 0.27),
+            PathResult("ring", 2000.0, 12000, 12000, 2.0, 20.0, 1.0),
+        ],
         "make bench-floor",
     )
     assert text.startswith(grpc_floor.MARK_BEGIN) and text.endswith(grpc_floor.MARK_END)
     assert "Command: `make bench-floor`" in text
     assert "| 256 bytes | 90 (40 + 50) |" in text
     assert "| 26,000 bytes | 80 (35 + 45) |" in text
-    assert "| 500 msgs/s | 3,000 of 3,000 | 1.26 | 10.00 | 0.60 |" in text
+    assert "median (min-max) of 3 runs" in text
+    ring = grpc_floor.SHAPES["ring"][0]
+    assert f"| {ring} | 2,000 | 35,999 of 36,000 | 2.00 (1.50-2.50) | 9.00 (5.00-20.00) | 1.00 (0.90-1.10) |" in text
+    direct = grpc_floor.SHAPES["direct"][0]
+    assert f"| {direct} | 2,000 | 24,000 of 24,000 | 0.95 (0.90-1.00) | 1.75 (1.70-1.80) | 0.26 (0.25-0.27) |" in text
+    assert grpc_floor.SHAPES["beside"][0] not in text, "a shape that was not measured has no row"
 
 
 def test_percentiles_of_the_latencies() -> None:
@@ -28,10 +39,22 @@ def test_percentiles_of_the_latencies() -> None:
     assert grpc_floor._percentile(values, 0.99) == 100.0
 
 
+def test_messages_are_split_back_out_of_a_batch() -> None:
+    batch = b"".join(grpc_floor._LENGTH.pack(len(m)) + m for m in (b"a", b"", b"xyz" * 100))
+    assert list(grpc_floor._messages(batch)) == [b"a", b"", b"xyz" * 100]
+
+
+def test_an_unknown_shape_is_refused() -> None:
+    with pytest.raises(SystemExit):
+        grpc_floor.main(["--shapes", "ring,star"])
+
+
 @pytest.mark.integration
-def test_every_message_crosses_the_five_hops() -> None:
-    result = grpc_floor.measure_path(rate=200.0, seconds=0.5)
-    assert result.sent > 0
+@pytest.mark.parametrize("shape", list(grpc_floor.SHAPES))
+def test_every_message_crosses_its_path(shape: str) -> None:
+    result = grpc_floor.measure_path(shape, rate=200.0, seconds=0.5)
+    assert result.shape == shape
+    assert result.sent == 100
     assert result.received == result.sent, "a message was lost on the relay path"
     assert 0 < result.p50_ms <= result.p99_ms
     assert result.relay_cores > 0
