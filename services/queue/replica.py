@@ -435,12 +435,14 @@ class QueueReplica:
 
     def _complete(self, effect: CompleteStep) -> None:
         step = effect.step
-        if effect.confirmed:
-            self._resolve(effect.step_id)
+        # Deliveries first: a waiting consumer's stream then writes before the publisher's confirm does
+        # (both wake in this order), so the message reaches its consumer one stream write sooner.
         for delivery in step.deliveries:
             consumer = self.consumers.get(delivery.consumer)
             if consumer is not None:
                 consumer.deliveries.put_nowait(delivery)
+        if effect.confirmed:
+            self._resolve(effect.step_id)
         if self.host.metrics is not None:
             self.host.metrics.step_completed(self.record.name, self.record.gm_group, step, now_ms() - effect.decided_ms)
         if tracing.enabled():
