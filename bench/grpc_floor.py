@@ -109,10 +109,13 @@ class _Outbox:
         self._channel, self._call = _stream_to(port)
         self._queued: list[bytes] = []
         self._wake = asyncio.Event()
+        self._written = asyncio.Event()  # set while nothing is queued or being written
+        self._written.set()
         self._writer = asyncio.get_running_loop().create_task(self._write())
 
     def put(self, message: bytes) -> None:
         self._queued.append(_LENGTH.pack(len(message)) + message)
+        self._written.clear()
         self._wake.set()
 
     async def _write(self) -> None:
@@ -121,11 +124,13 @@ class _Outbox:
             self._wake.clear()
             batch, self._queued = self._queued, []
             await self._call.write(b"".join(batch))
+            if not self._queued:
+                self._written.set()
 
-    async def close(self) -> None:
-        """Once what was queued is written: end the stream and close the channel."""
-        while self._queued or self._wake.is_set():
-            await asyncio.sleep(0.01)
+    async def close(self, timeout: float = 30.0) -> None:
+        """Once what was queued is written (within `timeout` seconds): end the stream, close the channel."""
+        await asyncio.wait_for(self._written.wait(), timeout)
+        await self._call.done_writing()
         self._writer.cancel()
         await self._channel.close(None)
 
