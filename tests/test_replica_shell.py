@@ -156,8 +156,8 @@ def test_a_completed_step_wakes_its_consumer_before_its_publisher() -> None:
     consumer now wakes first; the publisher's confirm follows in the same loop turn."""
     from services.queue.master import Delivery, Step
     from services.queue.ops import Message
-    from services.queue.replica_host import Consumer
     from services.queue.replica_core import CompleteStep
+    from services.queue.replica_host import Consumer
 
     async def scenario() -> None:
         replica = QueueReplica(_Host(), QueueRecord("/", "q", master="node1", gm_group="queue.x"))
