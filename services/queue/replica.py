@@ -8,7 +8,8 @@ letters). Every decision is the core's; this file only does I/O.
 
 Guarantees: effects are carried out in the order the core emitted them; a step's deliveries reach
 their consumer whatever became of the request that decided them (a publisher that went away strands
-nothing); a GM broadcast is numbered as the core expects, or the replica stops.
+nothing), and are handed out before the step's publishes are answered; a GM broadcast is numbered as
+the core expects, or the replica stops.
 """
 
 from __future__ import annotations
