@@ -3,6 +3,9 @@ message crosses its hops and arrives)."""
 
 from __future__ import annotations
 
+import os
+import time
+
 import pytest
 
 from bench import grpc_floor
@@ -49,6 +52,16 @@ def test_an_unknown_shape_is_refused() -> None:
         grpc_floor.main(["--shapes", "ring,star"])
 
 
+def test_a_process_cpu_time_counts_what_it_burns() -> None:
+    """The relays' CPU comes from /proc/PID/stat; a short timed part may round to no clock tick at all
+    (a loaded CI run measured 0.0 over 0.5 s at 200 msgs/s), so the reading itself is checked here."""
+    before = grpc_floor._cpu_seconds(os.getpid())
+    started = time.process_time()
+    while time.process_time() - started < 0.1:
+        pass
+    assert grpc_floor._cpu_seconds(os.getpid()) - before >= 0.05
+
+
 @pytest.mark.integration
 @pytest.mark.parametrize("shape", list(grpc_floor.SHAPES))
 def test_every_message_crosses_its_path(shape: str) -> None:
@@ -57,4 +70,4 @@ def test_every_message_crosses_its_path(shape: str) -> None:
     assert result.sent == 100
     assert result.received == result.sent, "a message was lost on the relay path"
     assert 0 < result.p50_ms <= result.p99_ms
-    assert result.relay_cores > 0
+    assert result.relay_cores >= 0

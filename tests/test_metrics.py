@@ -110,10 +110,21 @@ def test_nodes_export_queue_metrics_and_spans_over_otlp(
                 await consumer.close()
 
         asyncio.run(traffic())
+
+        # Every figure checked below comes with some export: wait for the last of them (a loaded CI run read
+        # the metrics as soon as the publishes had been exported, before the deliveries were).
+        def exported(name: str) -> int:
+            return max((p.as_int for m in fake.metrics.get(name, []) for p in m.sum.data_points), default=0)
+
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
-            published = [p for m in fake.metrics.get(PUBLISHED, []) for p in m.sum.data_points]
-            if published and max(p.as_int for p in published) >= 50 and ROUND_TRIP in fake.metrics:
+            if (
+                exported(PUBLISHED) >= 50
+                and exported(DELIVERED) >= 30
+                and exported(ACKED) >= 1
+                and ROUND_TRIP in fake.metrics
+                and {MESSAGES, MESSAGES_READY, MESSAGES_UNACKED, CONSUMERS, IDENTITY, SERVING} <= set(fake.metrics)
+            ):
                 break
             time.sleep(0.2)
         latest = {name: series[-1] for name, series in fake.metrics.items()}
