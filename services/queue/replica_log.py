@@ -14,7 +14,9 @@ written before generations existed, segments directly in the directory, is opene
 
 Guarantees: effects are applied in order (a large WriteLog is written a chunk at a time, and what
 follows waits for it); `on_flushed(flush_id)` is called only once every append made before that
-FlushLog is durable; after a failure nothing more is written until `on_writable` was called.
+FlushLog is durable and would be found after a crash (while CURRENT is being switched to a new
+generation, no flush is reported until the switch is done); after a failure nothing more is written
+until `on_writable` was called.
 """
 
 from __future__ import annotations
@@ -70,6 +72,9 @@ class ReplicaLog:
         self.committer: GroupCommitter | None = None
         self.generation = 0
         self._pending_generation: tuple[int, int] | None = None  # (generation, flush id that makes it current)
+        # The switch of CURRENT to a new generation while it runs: every flush that completes meanwhile waits
+        # for it, since what it made durable is found after a crash only once CURRENT names its generation.
+        self._switching: asyncio.Future[None] | None = None
         self._queue: deque[DiskEffect] = deque()
         self._worker: asyncio.Future[None] | None = None
         self._tasks: set[asyncio.Future[None]] = set()
@@ -170,6 +175,7 @@ class ReplicaLog:
                 self.log.close()
             self.log, self.committer = fresh, GroupCommitter(fresh)
             self._pending_generation = (generation, 0)  # current once the next flush is durable
+            self._switching = None
         except (MessageLogError, OSError, ValueError) as error:
             self._fail(error)
 
@@ -199,7 +205,14 @@ class ReplicaLog:
             switching = self._pending_generation
             if switching is not None and switching[1] <= flush_id:
                 self._pending_generation = None
-                await asyncio.to_thread(self._make_current, switching[0])
+                self._switching = asyncio.ensure_future(asyncio.to_thread(self._make_current, switching[0]))
+            switch = self._switching
+            if switch is not None:
+                # Also a later flush that completes while an earlier one switches: what it made durable
+                # counts only once CURRENT names its generation.
+                await asyncio.shield(switch)
+                if self._switching is switch:
+                    self._switching = None  # done: CURRENT names the generation
         except (MessageLogError, OSError) as error:
             self._fail(error)
             return
@@ -211,6 +224,7 @@ class ReplicaLog:
             self.log.close()
             self.log, self.committer = None, None
         self._pending_generation = None
+        self._switching = None
         for name in _listdir(self.directory):
             path = os.path.join(self.directory, name)
             with contextlib.suppress(OSError):
@@ -238,6 +252,7 @@ class ReplicaLog:
         if self.log is not None:
             self.log.close()
             self.log, self.committer = None, None
+        self._switching = None
         self._failed = False
         self.on_writable()
 
