@@ -64,3 +64,45 @@ def test_a_later_flush_is_not_reported_before_an_earlier_one_makes_its_generatio
         replica_log.close()
 
     asyncio.run(scenario())
+
+
+def test_a_new_generation_waits_for_the_switch_under_way(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Seen while fixing the test above: a fresh WriteLog while CURRENT was being switched to generation 1
+    numbered its own generation 1 too (CURRENT did not name it yet) and deleted that directory, the one
+    holding the flushed, confirmed messages, before the switch had even named it."""
+    switch_started, release_switch = threading.Event(), threading.Event()
+    make_current = ReplicaLog._make_current
+
+    def slow_make_current(self: ReplicaLog, generation: int) -> None:
+        switch_started.set()
+        release_switch.wait(10)
+        make_current(self, generation)
+
+    monkeypatch.setattr(ReplicaLog, "_make_current", slow_make_current)
+    flushed: list[int] = []
+
+    async def scenario() -> None:
+        replica_log = ReplicaLog(str(tmp_path), flushed.append, lambda reason: None, lambda: None)
+        replica_log.apply(WriteLog((Message(1, b"first", persistent=True),), Position(1, 1), fresh=True))
+        replica_log.apply(FlushLog(1))
+        try:
+            await _until(switch_started.is_set, "the first flush never switched generations")
+            segments = list((tmp_path / "g000001").glob("*.seg"))
+            assert segments
+            replica_log.apply(WriteLog((Message(2, b"second", persistent=True),), Position(2, 1), fresh=True))
+            for _ in range(10):
+                await asyncio.sleep(0)
+            assert all(segment.exists() for segment in segments), "the generation being switched to was deleted"
+        finally:
+            release_switch.set()
+        await _until(lambda: flushed == [1], "the first flush reported")
+        replica_log.apply(FlushLog(2))
+        await _until(lambda: flushed == [1, 2], "the second generation's flush reported")
+        assert (tmp_path / CURRENT).read_text().strip() == "g000002"
+        replica_log.close()
+        reopened = ReplicaLog(str(tmp_path), flushed.append, lambda reason: None, lambda: None)
+        recovery = reopened.open()
+        assert recovery is not None and [m.body for m in recovery.messages] == [b"second"]
+        reopened.close()
+
+    asyncio.run(scenario())

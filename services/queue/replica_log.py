@@ -155,6 +155,10 @@ class ReplicaLog:
         if self._failed:
             return
         try:
+            if self._switching is not None:
+                # A switch under way ends with CURRENT naming its generation and the others deleted: a new
+                # generation numbered before it ends could be the very one it deletes or names.
+                await asyncio.shield(self._switching)
             current = self.log
             wanted = {message.id: message for message in effect.messages}
             if current is not None and not effect.fresh and not current.damage:
@@ -175,7 +179,6 @@ class ReplicaLog:
                 self.log.close()
             self.log, self.committer = fresh, GroupCommitter(fresh)
             self._pending_generation = (generation, 0)  # current once the next flush is durable
-            self._switching = None
         except (MessageLogError, OSError, ValueError) as error:
             self._fail(error)
 
