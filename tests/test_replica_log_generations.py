@@ -24,14 +24,8 @@ async def _until(condition: object, what: str, seconds: float = 10.0) -> None:
         await asyncio.sleep(0.005)
 
 
-def test_a_later_flush_is_not_reported_before_an_earlier_one_makes_its_generation_current(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Found by a clean-clone CI run (issue 13's session): a durable queue's 20 confirmed persistent
-    messages were gone after a SIGKILL of every node. Its first flush was switching CURRENT to the new
-    generation in a worker thread when a second flush completed; the second saw no switch pending and
-    reported itself durable at once, so the confirms went out while CURRENT did not exist yet, and the
-    restarted node found no log."""
+def _hold_switches(monkeypatch: pytest.MonkeyPatch) -> tuple[threading.Event, threading.Event]:
+    """Make every switch of CURRENT wait, once started (the first event), for the second event."""
     switch_started, release_switch = threading.Event(), threading.Event()
     make_current = ReplicaLog._make_current
 
@@ -41,6 +35,18 @@ def test_a_later_flush_is_not_reported_before_an_earlier_one_makes_its_generatio
         make_current(self, generation)
 
     monkeypatch.setattr(ReplicaLog, "_make_current", slow_make_current)
+    return switch_started, release_switch
+
+
+def test_a_later_flush_is_not_reported_before_an_earlier_one_makes_its_generation_current(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by a clean-clone CI run (issue 13's session): a durable queue's 20 confirmed persistent
+    messages were gone after a SIGKILL of every node. Its first flush was switching CURRENT to the new
+    generation in a worker thread when a second flush completed; the second saw no switch pending and
+    reported itself durable at once, so the confirms went out while CURRENT did not exist yet, and the
+    restarted node found no log."""
+    switch_started, release_switch = _hold_switches(monkeypatch)
     flushed: list[int] = []
 
     async def scenario() -> None:
@@ -70,15 +76,7 @@ def test_a_new_generation_waits_for_the_switch_under_way(tmp_path: Path, monkeyp
     """Seen while fixing the test above: a fresh WriteLog while CURRENT was being switched to generation 1
     numbered its own generation 1 too (CURRENT did not name it yet) and deleted that directory, the one
     holding the flushed, confirmed messages, before the switch had even named it."""
-    switch_started, release_switch = threading.Event(), threading.Event()
-    make_current = ReplicaLog._make_current
-
-    def slow_make_current(self: ReplicaLog, generation: int) -> None:
-        switch_started.set()
-        release_switch.wait(10)
-        make_current(self, generation)
-
-    monkeypatch.setattr(ReplicaLog, "_make_current", slow_make_current)
+    switch_started, release_switch = _hold_switches(monkeypatch)
     flushed: list[int] = []
 
     async def scenario() -> None:
