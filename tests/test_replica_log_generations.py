@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import threading
 import time
 from pathlib import Path
@@ -13,7 +14,7 @@ import pytest
 
 from services.queue.durability import Position
 from services.queue.ops import Message
-from services.queue.replica_core import FlushLog, WriteLog
+from services.queue.replica_core import AppendToLog, FlushLog, WriteLog
 from services.queue.replica_log import CURRENT, ReplicaLog
 
 
@@ -102,5 +103,113 @@ def test_a_new_generation_waits_for_the_switch_under_way(tmp_path: Path, monkeyp
         recovery = reopened.open()
         assert recovery is not None and [m.body for m in recovery.messages] == [b"second"]
         reopened.close()
+
+    asyncio.run(scenario())
+
+
+def _hold_flushes_of(replica_log: ReplicaLog, *, before_writing: bool) -> threading.Event:
+    """Make the flushes of the replica's current log wait for the returned event, before they write
+    (`before_writing`) or after they wrote and synced."""
+    held_log = replica_log.log
+    assert held_log is not None
+    release = threading.Event()
+    flush = held_log.flush
+
+    def held_flush() -> None:
+        if not before_writing:
+            flush()
+        release.wait(10)
+        if before_writing:
+            flush()
+
+    held_log.flush = held_flush  # type: ignore[method-assign]
+    return release
+
+
+async def _a_first_generation(replica_log: ReplicaLog, flushed: list[int]) -> None:
+    replica_log.apply(WriteLog((Message(1, b"first", persistent=True),), Position(1, 1), fresh=True))
+    replica_log.apply(FlushLog(1))
+    await _until(lambda: flushed == [1], "the first generation's flush reported")
+
+
+def _recovered_bodies(directory: Path) -> list[bytes]:
+    """What a restart would recover from the directory as it is now (opened from a copy: opening tidies)."""
+    copy = directory.parent / f"{directory.name}-copy{len(list(directory.parent.iterdir()))}"
+    shutil.copytree(directory, copy)
+    reopened = ReplicaLog(str(copy), lambda flush_id: None, lambda reason: None, lambda: None)
+    recovery = reopened.open()
+    reopened.close()
+    assert recovery is not None, "no log found after the restart"
+    return [message.body for message in recovery.messages]
+
+
+def test_a_flush_of_the_replaced_generation_does_not_make_the_new_one_current(tmp_path: Path) -> None:
+    """Seen while fixing the tests above: a flush of the old generation that completed after a fresh WriteLog
+    made the new generation CURRENT (and deleted the old one) before anything of the new one was flushed, so a
+    crash then would have found a log missing messages that had been confirmed."""
+    flushed: list[int] = []
+    failures: list[str] = []
+
+    async def scenario() -> None:
+        replica_log = ReplicaLog(str(tmp_path), flushed.append, failures.append, lambda: None)
+        await _a_first_generation(replica_log, flushed)
+        release = _hold_flushes_of(replica_log, before_writing=False)
+        replica_log.apply(AppendToLog((Message(2, b"second", persistent=True),), (), Position(1, 2)))
+        replica_log.apply(FlushLog(2))
+        old_committer = replica_log.committer
+        assert old_committer is not None
+        await _until(lambda: old_committer._runner is not None, "the old generation's flush never started")
+        replica_log.apply(
+            WriteLog(tuple(Message(i, b"m%d" % i, persistent=True) for i in (1, 2, 3)), Position(2, 3), fresh=True)
+        )
+        await _until(lambda: replica_log.committer is not old_committer, "the new generation was never written")
+        release.set()
+        await _until(lambda: not replica_log._tasks, "the old generation's flush never ended")
+        assert (tmp_path / CURRENT).read_text().strip() == "g000001", "CURRENT names a generation never flushed"
+        assert _recovered_bodies(tmp_path) == [b"first", b"second"]
+        replica_log.apply(FlushLog(3))
+        await _until(lambda: flushed == [1, 3], f"the new generation's flush reported (got {flushed})")
+        assert (tmp_path / CURRENT).read_text().strip() == "g000002"
+        replica_log.close()
+        assert failures == []
+        assert _recovered_bodies(tmp_path) == [b"m1", b"m2", b"m3"]
+
+    asyncio.run(scenario())
+
+
+def test_a_flush_of_the_replaced_generation_that_finds_its_log_closed_fails_nothing(tmp_path: Path) -> None:
+    """Seen while fixing the tests above: a fresh WriteLog closes the old generation's log, and a flush of it
+    still to run then raised LogClosedError, which failed the whole replica log (a mirror leaving the
+    synchronised ones, a master stopping its confirms) though the new generation held everything."""
+    flushed: list[int] = []
+    failures: list[str] = []
+
+    async def scenario() -> None:
+        replica_log = ReplicaLog(str(tmp_path), flushed.append, failures.append, lambda: None)
+        await _a_first_generation(replica_log, flushed)
+        release = _hold_flushes_of(replica_log, before_writing=True)
+        replica_log.apply(AppendToLog((Message(2, b"second", persistent=True),), (), Position(1, 2)))
+        replica_log.apply(FlushLog(2))
+        old_committer = replica_log.committer
+        assert old_committer is not None
+        await _until(lambda: old_committer._runner is not None, "the old generation's flush never started")
+        replica_log.apply(
+            WriteLog(
+                (Message(1, b"first", persistent=True), Message(2, b"second", persistent=True)),
+                Position(2, 2),
+                fresh=True,
+            )
+        )
+        await _until(lambda: replica_log.committer is not old_committer, "the new generation was never written")
+        release.set()
+        await _until(lambda: old_committer.flushes >= 1, "the old generation's flush never ran")
+        replica_log.apply(FlushLog(3))
+        await _until(
+            lambda: flushed == [1, 3] or failures != [], f"the new generation's flush reported (got {flushed})"
+        )
+        assert failures == []
+        assert (tmp_path / CURRENT).read_text().strip() == "g000002"
+        replica_log.close()
+        assert _recovered_bodies(tmp_path) == [b"first", b"second"]
 
     asyncio.run(scenario())

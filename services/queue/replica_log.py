@@ -15,8 +15,10 @@ written before generations existed, segments directly in the directory, is opene
 Guarantees: effects are applied in order (a large WriteLog is written a chunk at a time, and what
 follows waits for it); `on_flushed(flush_id)` is called only once every append made before that
 FlushLog is durable and would be found after a crash (while CURRENT is being switched to a new
-generation, no flush is reported until the switch is done); after a failure nothing more is written
-until `on_writable` was called.
+generation, no flush is reported until the switch is done, and only a flush of the new generation
+makes it CURRENT); a flush of a generation already replaced is neither reported nor a failure (the
+flush that follows the new generation covers it); after a failure nothing more is written until
+`on_writable` was called.
 """
 
 from __future__ import annotations
@@ -205,8 +207,10 @@ class ReplicaLog:
     async def _commit(self, committer: GroupCommitter, flush_id: int) -> None:
         try:
             await committer.commit()
+            if committer is not self.committer:
+                return  # a flush of a generation replaced since: the next flush covers what it held
             switching = self._pending_generation
-            if switching is not None and switching[1] <= flush_id:
+            if switching is not None and 0 < switching[1] <= flush_id:
                 self._pending_generation = None
                 self._switching = asyncio.ensure_future(asyncio.to_thread(self._make_current, switching[0]))
             switch = self._switching
@@ -217,7 +221,10 @@ class ReplicaLog:
                 if self._switching is switch:
                     self._switching = None  # done: CURRENT names the generation
         except (MessageLogError, OSError) as error:
-            self._fail(error)
+            if committer is self.committer:
+                self._fail(error)
+            else:  # the replaced generation's log was closed under it: its flush no longer matters
+                log.debug("flush %d of a replaced generation of %s failed: %r", flush_id, self.directory, error)
             return
         if committer is self.committer and not self._closed:
             self.on_flushed(flush_id)
