@@ -27,7 +27,7 @@ from services.coordinator.convert import group_to_proto
 from services.coordinator.group_table import AddMember, Group, GroupChange, GroupMember, MarkMemberDead, Outcome
 from services.gm.links import LinkManager
 from services.gm.member import MemberEvent
-from services.node import Node, NodeSettings
+from services.node import JOIN_TIMEOUT_FLOOR_SECONDS, Node, NodeSettings
 from tests.test_integration_ring import _wait_for
 
 GROUP = "g"
@@ -223,3 +223,13 @@ def test_a_target_its_node_does_not_host_is_recorded_dead_at_once(caplog: pytest
         f"group {GROUP}: recorded {TARGET} dead (reason: join target {TARGET} on node2 down "
         "(its node answered that it does not host it))"
     ) in caplog.messages
+
+
+def test_a_short_failure_timeout_does_not_shorten_the_wait_for_a_joining_catchup() -> None:
+    """Found by a clean-clone CI run: with a 0.6 s failure timeout a newcomer gave up after 1.2 s on the
+    joining Catchup of a live adder that the loaded machine had not got round to sending, recorded itself
+    dead and joined again. Twice the failure timeout still applies above the floor."""
+    quick = Node("node1", "127.0.0.1:1", None, NodeSettings(failure_timeout=0.6))  # type: ignore[arg-type]
+    assert quick.join_timeout == JOIN_TIMEOUT_FLOOR_SECONDS >= 3.0
+    slow = Node("node1", "127.0.0.1:1", None, NodeSettings(failure_timeout=5.0))  # type: ignore[arg-type]
+    assert slow.join_timeout == 10.0
