@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from services.queue.durability import Position
+from services.queue.group_commit import GroupCommitter
 from services.queue.ops import Message
 from services.queue.replica_core import AppendToLog, FlushLog, WriteLog
 from services.queue.replica_log import CURRENT, ReplicaLog
@@ -143,6 +144,25 @@ def _recovered_bodies(directory: Path) -> list[bytes]:
     return [message.body for message in recovery.messages]
 
 
+async def _a_fresh_write_while_the_old_generation_flushes(
+    replica_log: ReplicaLog, flushed: list[int], bodies: list[bytes], *, before_writing: bool
+) -> tuple[threading.Event, GroupCommitter]:
+    """A first generation holding b"first"; then b"second" appended and flush 2 asked for, held (see
+    `_hold_flushes_of`) while a fresh WriteLog of `bodies` (ids 1, 2, ...) makes a second generation.
+    Returns the event that releases flush 2, and the first generation's committer."""
+    await _a_first_generation(replica_log, flushed)
+    release = _hold_flushes_of(replica_log, before_writing=before_writing)
+    replica_log.apply(AppendToLog((Message(2, b"second", persistent=True),), (), Position(1, 2)))
+    replica_log.apply(FlushLog(2))
+    old_committer = replica_log.committer
+    assert old_committer is not None
+    await _until(lambda: old_committer._runner is not None, "the old generation's flush never started")
+    messages = tuple(Message(i, body, persistent=True) for i, body in enumerate(bodies, start=1))
+    replica_log.apply(WriteLog(messages, Position(2, len(messages)), fresh=True))
+    await _until(lambda: replica_log.committer is not old_committer, "the new generation was never written")
+    return release, old_committer
+
+
 def test_a_flush_of_the_replaced_generation_does_not_make_the_new_one_current(tmp_path: Path) -> None:
     """Seen while fixing the tests above: a flush of the old generation that completed after a fresh WriteLog
     made the new generation CURRENT (and deleted the old one) before anything of the new one was flushed, so a
@@ -152,17 +172,9 @@ def test_a_flush_of_the_replaced_generation_does_not_make_the_new_one_current(tm
 
     async def scenario() -> None:
         replica_log = ReplicaLog(str(tmp_path), flushed.append, failures.append, lambda: None)
-        await _a_first_generation(replica_log, flushed)
-        release = _hold_flushes_of(replica_log, before_writing=False)
-        replica_log.apply(AppendToLog((Message(2, b"second", persistent=True),), (), Position(1, 2)))
-        replica_log.apply(FlushLog(2))
-        old_committer = replica_log.committer
-        assert old_committer is not None
-        await _until(lambda: old_committer._runner is not None, "the old generation's flush never started")
-        replica_log.apply(
-            WriteLog(tuple(Message(i, b"m%d" % i, persistent=True) for i in (1, 2, 3)), Position(2, 3), fresh=True)
+        release, _ = await _a_fresh_write_while_the_old_generation_flushes(
+            replica_log, flushed, [b"m1", b"m2", b"m3"], before_writing=False
         )
-        await _until(lambda: replica_log.committer is not old_committer, "the new generation was never written")
         release.set()
         await _until(lambda: not replica_log._tasks, "the old generation's flush never ended")
         assert (tmp_path / CURRENT).read_text().strip() == "g000001", "CURRENT names a generation never flushed"
@@ -186,23 +198,13 @@ def test_a_flush_of_the_replaced_generation_that_finds_its_log_closed_fails_noth
 
     async def scenario() -> None:
         replica_log = ReplicaLog(str(tmp_path), flushed.append, failures.append, lambda: None)
-        await _a_first_generation(replica_log, flushed)
-        release = _hold_flushes_of(replica_log, before_writing=True)
-        replica_log.apply(AppendToLog((Message(2, b"second", persistent=True),), (), Position(1, 2)))
-        replica_log.apply(FlushLog(2))
-        old_committer = replica_log.committer
-        assert old_committer is not None
-        await _until(lambda: old_committer._runner is not None, "the old generation's flush never started")
-        replica_log.apply(
-            WriteLog(
-                (Message(1, b"first", persistent=True), Message(2, b"second", persistent=True)),
-                Position(2, 2),
-                fresh=True,
-            )
+        release, old_committer = await _a_fresh_write_while_the_old_generation_flushes(
+            replica_log, flushed, [b"first", b"second"], before_writing=True
         )
-        await _until(lambda: replica_log.committer is not old_committer, "the new generation was never written")
         release.set()
-        await _until(lambda: old_committer.flushes >= 1, "the old generation's flush never ran")
+        await _until(
+            lambda: old_committer.flushes >= 2 and not replica_log._tasks, "the old generation's flush never ended"
+        )
         replica_log.apply(FlushLog(3))
         await _until(
             lambda: flushed == [1, 3] or failures != [], f"the new generation's flush reported (got {flushed})"
