@@ -386,7 +386,14 @@ async def _bad_input_gets_clear_statuses(four: cluster.ClusterInfo) -> None:
         assert missing.code() == grpc.StatusCode.FAILED_PRECONDITION and "no fencing token" in (missing.details() or "")
         stale = await publish_with(producer.fencing_token + 7)
         assert stale.code() == grpc.StatusCode.FAILED_PRECONDITION
+        # The groups join the send list as their mirrors synchronise, one by one (found by CI: read at once,
+        # the send list held only the head).
         head = (await status(conn, "s7")).consume_list[0]
+
+        async def another_group_takes_sends_after_the_head() -> bool:
+            return any(g != head for g in (await status(conn, "s7")).send_list)
+
+        await until("a group other than the head in the send list", another_group_takes_sends_after_the_head)
         other = next(g for g in (await status(conn, "s7")).send_list if g != head)
         lease = stream_pb2.AcquireStreamLeaseRequest(
             stream=ref, role=stream_pb2.STREAM_ROLE_CONSUMER, holder="raw", ttl_ms=5000
