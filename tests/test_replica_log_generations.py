@@ -40,6 +40,12 @@ def _hold_switches(monkeypatch: pytest.MonkeyPatch) -> tuple[threading.Event, th
     return switch_started, release_switch
 
 
+def _write_a_first_generation(replica_log: ReplicaLog) -> None:
+    """A fresh WriteLog holding b"first" (id 1), and flush 1 asked for: it becomes generation 1."""
+    replica_log.apply(WriteLog((Message(1, b"first", persistent=True),), Position(1, 1), fresh=True))
+    replica_log.apply(FlushLog(1))
+
+
 def test_a_later_flush_is_not_reported_before_an_earlier_one_makes_its_generation_current(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -53,8 +59,7 @@ def test_a_later_flush_is_not_reported_before_an_earlier_one_makes_its_generatio
 
     async def scenario() -> None:
         replica_log = ReplicaLog(str(tmp_path), flushed.append, lambda reason: None, lambda: None)
-        replica_log.apply(WriteLog((Message(1, b"first", persistent=True),), Position(1, 1), fresh=True))
-        replica_log.apply(FlushLog(1))
+        _write_a_first_generation(replica_log)
         replica_log.apply(FlushLog(2))
         try:
             await _until(switch_started.is_set, "the first flush never switched generations")
@@ -83,8 +88,7 @@ def test_a_new_generation_waits_for_the_switch_under_way(tmp_path: Path, monkeyp
 
     async def scenario() -> None:
         replica_log = ReplicaLog(str(tmp_path), flushed.append, lambda reason: None, lambda: None)
-        replica_log.apply(WriteLog((Message(1, b"first", persistent=True),), Position(1, 1), fresh=True))
-        replica_log.apply(FlushLog(1))
+        _write_a_first_generation(replica_log)
         try:
             await _until(switch_started.is_set, "the first flush never switched generations")
             segments = list((tmp_path / "g000001").glob("*.seg"))
@@ -128,8 +132,7 @@ def _hold_flushes_of(replica_log: ReplicaLog, *, before_writing: bool) -> thread
 
 
 async def _a_first_generation(replica_log: ReplicaLog, flushed: list[int]) -> None:
-    replica_log.apply(WriteLog((Message(1, b"first", persistent=True),), Position(1, 1), fresh=True))
-    replica_log.apply(FlushLog(1))
+    _write_a_first_generation(replica_log)
     await _until(lambda: flushed == [1], "the first generation's flush reported")
 
 
