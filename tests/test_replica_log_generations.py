@@ -9,11 +9,13 @@ import shutil
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from services.queue.durability import Position
 from services.queue.group_commit import GroupCommitter
+from services.queue.message_log import FileMessageLog
 from services.queue.ops import Message
 from services.queue.replica_core import AppendToLog, FlushLog, WriteLog
 from services.queue.replica_log import CURRENT, ReplicaLog
@@ -215,6 +217,50 @@ def test_a_flush_of_the_replaced_generation_that_finds_its_log_closed_fails_noth
         assert failures == []
         assert (tmp_path / CURRENT).read_text().strip() == "g000002"
         replica_log.close()
+        assert _recovered_bodies(tmp_path) == [b"first", b"second"]
+
+    asyncio.run(scenario())
+
+
+def test_closing_the_replaced_generation_does_not_hold_the_event_loop(tmp_path: Path) -> None:
+    """Closing a log waits for a flush of it under way. A fresh WriteLog closed the replaced generation on
+    the event loop, which then stood still for that flush's fsync (a queue's sync or recovery, with every
+    other queue of the node behind it)."""
+    flushed: list[int] = []
+    failures: list[str] = []
+
+    async def scenario() -> None:
+        replica_log = ReplicaLog(str(tmp_path), flushed.append, failures.append, lambda: None)
+        await _a_first_generation(replica_log, flushed)
+        held_log = replica_log.log
+        assert isinstance(held_log, FileMessageLog)
+        writing, release = threading.Event(), threading.Event()
+        write = held_log._write
+
+        def held_write(pending: Any) -> None:  # runs under the log's flush lock
+            writing.set()
+            release.wait(10)
+            write(pending)
+
+        held_log._write = held_write  # type: ignore[method-assign]
+        releaser = threading.Timer(2.0, release.set)  # so that a loop held in close() comes free
+        releaser.start()
+        try:
+            replica_log.apply(AppendToLog((Message(2, b"second", persistent=True),), (), Position(1, 2)))
+            replica_log.apply(FlushLog(2))
+            await _until(writing.is_set, "the old generation's flush never started writing")
+            old_committer = replica_log.committer
+            messages = (Message(1, b"first", persistent=True), Message(2, b"second", persistent=True))
+            replica_log.apply(WriteLog(messages, Position(2, 2), fresh=True))
+            await _until(lambda: replica_log.committer is not old_committer, "the new generation was never written")
+            assert not release.is_set(), "the event loop stood still until the old generation's flush ended"
+        finally:
+            release.set()
+            releaser.cancel()
+        replica_log.apply(FlushLog(3))
+        await _until(lambda: flushed == [1, 3], f"the new generation's flush reported (got {flushed})")
+        replica_log.close()
+        assert failures == []
         assert _recovered_bodies(tmp_path) == [b"first", b"second"]
 
     asyncio.run(scenario())

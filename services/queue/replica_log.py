@@ -177,10 +177,12 @@ class ReplicaLog:
             fresh = FileMessageLog(path)
             await self._append_messages(fresh, list(wanted.values()))
             fresh.append_mark(effect.position.mark())
-            if self.log is not None:
-                self.log.close()
+            replaced = self.log
             self.log, self.committer = fresh, GroupCommitter(fresh)
             self._pending_generation = (generation, 0)  # current once the next flush is durable
+            if replaced is not None:
+                # In a worker thread: closing waits for a flush of the replaced log under way (an fsync).
+                await asyncio.to_thread(replaced.close)
         except (MessageLogError, OSError, ValueError) as error:
             self._fail(error)
 
