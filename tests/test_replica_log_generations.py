@@ -17,7 +17,7 @@ from services.queue.durability import Position
 from services.queue.group_commit import GroupCommitter
 from services.queue.message_log import FileMessageLog
 from services.queue.ops import Message
-from services.queue.replica_core import AppendToLog, FlushLog, WriteLog
+from services.queue.replica_core import AppendToLog, DiscardLog, FlushLog, WriteLog
 from services.queue.replica_log import CURRENT, ReplicaLog
 
 
@@ -222,10 +222,11 @@ def test_a_flush_of_the_replaced_generation_that_finds_its_log_closed_fails_noth
     asyncio.run(scenario())
 
 
-def test_closing_the_replaced_generation_does_not_hold_the_event_loop(tmp_path: Path) -> None:
-    """Closing a log waits for a flush of it under way. A fresh WriteLog closed the replaced generation on
-    the event loop, which then stood still for that flush's fsync (a queue's sync or recovery, with every
-    other queue of the node behind it)."""
+@pytest.mark.parametrize("replacing", ["fresh WriteLog", "DiscardLog"])
+def test_closing_the_replaced_log_does_not_hold_the_event_loop(tmp_path: Path, replacing: str) -> None:
+    """Closing a log waits for a flush of it under way. A fresh WriteLog (and a DiscardLog) closed the
+    replaced log on the event loop, which then stood still for that flush's fsync (a queue's sync,
+    recovery or loss of synchronisation, with every other queue of the node behind it)."""
     flushed: list[int] = []
     failures: list[str] = []
 
@@ -250,17 +251,23 @@ def test_closing_the_replaced_generation_does_not_hold_the_event_loop(tmp_path: 
             replica_log.apply(FlushLog(2))
             await _until(writing.is_set, "the old generation's flush never started writing")
             old_committer = replica_log.committer
-            messages = (Message(1, b"first", persistent=True), Message(2, b"second", persistent=True))
-            replica_log.apply(WriteLog(messages, Position(2, 2), fresh=True))
-            await _until(lambda: replica_log.committer is not old_committer, "the new generation was never written")
-            assert not release.is_set(), "the event loop stood still until the old generation's flush ended"
+            if replacing == "DiscardLog":
+                replica_log.apply(DiscardLog())
+            else:
+                messages = (Message(1, b"first", persistent=True), Message(2, b"second", persistent=True))
+                replica_log.apply(WriteLog(messages, Position(2, 2), fresh=True))
+            await _until(lambda: replica_log.committer is not old_committer, "the log was never replaced")
+            assert not release.is_set(), "the event loop stood still until the replaced log's flush ended"
         finally:
             release.set()
             releaser.cancel()
-        replica_log.apply(FlushLog(3))
-        await _until(lambda: flushed == [1, 3], f"the new generation's flush reported (got {flushed})")
+        if replacing == "DiscardLog":
+            await _until(lambda: not os.listdir(tmp_path), "the discarded log's files were never removed")
+        else:
+            replica_log.apply(FlushLog(3))
+            await _until(lambda: flushed == [1, 3], f"the new generation's flush reported (got {flushed})")
+            assert _recovered_bodies(tmp_path) == [b"first", b"second"]
         replica_log.close()
         assert failures == []
-        assert _recovered_bodies(tmp_path) == [b"first", b"second"]
 
     asyncio.run(scenario())

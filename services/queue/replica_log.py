@@ -132,7 +132,7 @@ class ReplicaLog:
                 elif isinstance(effect, FlushLog):
                     self._flush(effect.flush_id)
                 elif isinstance(effect, DiscardLog):
-                    self._discard()
+                    await self._discard()
                 else:
                     self._spawn(self._watch_disk())
         finally:
@@ -177,12 +177,8 @@ class ReplicaLog:
             fresh = FileMessageLog(path)
             await self._append_messages(fresh, list(wanted.values()))
             fresh.append_mark(effect.position.mark())
-            replaced = self.log
-            self.log, self.committer = fresh, GroupCommitter(fresh)
             self._pending_generation = (generation, 0)  # current once the next flush is durable
-            if replaced is not None:
-                # In a worker thread: closing waits for a flush of the replaced log under way (an fsync).
-                await asyncio.to_thread(replaced.close)
+            await self._replace_log(fresh)
         except (MessageLogError, OSError, ValueError) as error:
             self._fail(error)
 
@@ -231,10 +227,17 @@ class ReplicaLog:
         if committer is self.committer and not self._closed:
             self.on_flushed(flush_id)
 
-    def _discard(self) -> None:
-        if self.log is not None:
-            self.log.close()
-            self.log, self.committer = None, None
+    async def _replace_log(self, new: FileMessageLog | None) -> None:
+        """Make `new` the log written to (None: none), then close the one it replaces in a worker thread:
+        closing waits for a flush of it under way (an fsync), which must not hold the event loop. A flush of
+        the replaced log that ends after this is neither reported nor a failure (`_commit`)."""
+        replaced = self.log
+        self.log, self.committer = new, None if new is None else GroupCommitter(new)
+        if replaced is not None:
+            await asyncio.to_thread(replaced.close)
+
+    async def _discard(self) -> None:
+        await self._replace_log(None)
         self._pending_generation = None
         self._switching = None
         for name in _listdir(self.directory):
@@ -261,9 +264,7 @@ class ReplicaLog:
                 await asyncio.to_thread(_probe, self.directory)
         if self._closed:
             return
-        if self.log is not None:
-            self.log.close()
-            self.log, self.committer = None, None
+        await self._replace_log(None)
         self._switching = None
         self._failed = False
         self.on_writable()
