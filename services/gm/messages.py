@@ -149,11 +149,13 @@ class WriteGroup:
 
 @dataclass(frozen=True, slots=True)
 class StartFlushTimer:
-    """Call `flush` after the flush interval: the broadcast buffer became non-empty (the shell may flush
-    at once if the link to the right is idle), or, `acks_only`, acknowledgements are waiting for a frame
-    to ride on (the shell waits the whole interval: one may go right before it)."""
+    """Call `flush` after the flush interval: the broadcast buffer became non-empty, holding
+    `buffered_bytes` (the shell may flush at once: see services/gm/member.py), or, `acks_only`,
+    acknowledgements are waiting for a frame to ride on (the shell waits the whole interval: one may go
+    right before it)."""
 
     acks_only: bool = False
+    buffered_bytes: int = 0
 
 
 @dataclass(frozen=True, slots=True)

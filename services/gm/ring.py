@@ -361,7 +361,7 @@ class RingMember:
         if self._buffer_bytes >= self.max_buffer_bytes:
             actions += self.flush()
         elif was_empty:
-            actions.append(StartFlushTimer())
+            actions.append(StartFlushTimer(buffered_bytes=self._buffer_bytes))
         return first, actions
 
     def flush(self) -> list[Action]:
