@@ -5,7 +5,12 @@ inbox, and carrying out the actions it returns: sending on links, handing
 deliveries to the application, resolving confirmed broadcasts, reading and
 writing the group table (each awaited before the next input, as the ring's
 contract asks), flush timers, and the join handshake. Guarantees: inputs are
-processed strictly one after another in arrival order; a protocol violation
+processed strictly one after another in arrival order, and an input's actions
+in the order the core returned them, with one exception: an Activity passed
+on goes to the link before the publications it carries reach the application,
+and the link's writer gets one turn of the event loop in between (the
+application still has them before the member's next input; a member that dies
+in between has nothing left to deliver to); a protocol violation
 stops the member (it never carries on with a state it cannot trust); every
 write that records a member dead is logged at INFO with its group, the
 member, the ring's reason and the outcome.
@@ -30,6 +35,7 @@ from typing import Protocol
 from services.coordinator.group_table import Group, GroupChange, MarkMemberDead, Outcome
 from services.gm.messages import (
     Action,
+    Activity,
     AddOnRightReply,
     Catchup,
     ChooseLeft,
@@ -283,6 +289,14 @@ class MemberShell:
 
     async def _execute(self, actions: list[Action]) -> None:
         pending = list(actions)
+        if _forward_first(pending):
+            # An Activity passed on: its frame goes to the link first, and the writer gets one turn of the
+            # event loop to start writing it before this member hands the publications to the application.
+            for action in pending:
+                if isinstance(action, SendRight):
+                    self.host.send_ring_message(action.node, action.message)
+            pending = [action for action in pending if not isinstance(action, SendRight)]
+            await asyncio.sleep(0)
         while pending:
             action = pending.pop(0)
             pending[:0] = await self._perform(action)
@@ -462,6 +476,22 @@ class MemberShell:
         callbacks, self._finished_callbacks = self._finished_callbacks, []
         for callback in callbacks:
             callback()
+
+
+def _forward_first(actions: list[Action]) -> bool:
+    """Whether `actions` pass an Activity on and deliver publications, and nothing else that must keep its
+    place among them."""
+    sends = delivers = False
+    for action in actions:
+        if isinstance(action, SendRight):
+            if not isinstance(action.message.body, Activity):
+                return False  # a Catchup: the ring's healing, not worth reordering
+            sends = True
+        elif isinstance(action, Deliver):
+            delivers = True
+        elif not isinstance(action, Confirmed | StartFlushTimer):
+            return False
+    return sends and delivers
 
 
 def _log_write(group: str, write: WriteGroup, outcome: Outcome, written: Group) -> None:
