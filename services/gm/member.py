@@ -59,7 +59,7 @@ log = logging.getLogger("ringq.member")
 MemberEvent = Joined | Deliver | MembersChanged | Stopped
 # A broadcast buffer smaller than this is flushed at once even when the link to the right is busy. Measured
 # (docs/benchmarks.md, ninth update): at 2,000 msgs/s a publish step is a few messages and flushing at once
-# cut the p50 by about 0.6 ms and the p99 by about 2.5 ms; saturated traffic, whose steps are large, still
+# cut the p50 by about 0.5 ms and the p99 by about 1.5 ms; saturated traffic, whose steps are large, still
 # batches (flushing those at once too made saturated W2's p99 twice as long).
 SMALL_FLUSH_BYTES = 4096
 # How long to wait before choosing again after the member asked answered "not ready".
