@@ -74,6 +74,18 @@ def test_the_host_recomputes_its_links_only_when_a_neighbours_node_changes() -> 
     asyncio.run(scenario())
 
 
+class LinkHost(NoHost):
+    """A host whose link to the right is always idle, or always has a frame queued."""
+
+    flush_interval = 60.0  # the flush timer never fires within a test
+
+    def __init__(self, idle: bool) -> None:
+        self.idle = idle
+
+    def link_idle(self, node: str) -> bool:
+        return self.idle
+
+
 @pytest.mark.parametrize(
     ("buffered_bytes", "at_once"), [(256 * 3, True), (SMALL_FLUSH_BYTES - 1, True), (SMALL_FLUSH_BYTES, False)]
 )
@@ -85,14 +97,8 @@ def test_a_few_publications_go_at_once_even_when_the_link_to_the_right_is_busy(
     the p90 of the master's time from broadcast to write was 2.4 ms. A small buffer now goes at once (the
     link's writer merges it with the frame ahead of it); a large one still batches for the interval."""
 
-    class BusyLinkHost(NoHost):
-        flush_interval = 60.0  # the timer never fires within the test
-
-        def link_idle(self, node: str) -> bool:
-            return False
-
     async def scenario() -> None:
-        shell = MemberShell(BusyLinkHost(), RingMember("g", "node1.a", "node1"), lambda event: None)  # type: ignore[arg-type]
+        shell = MemberShell(LinkHost(idle=False), RingMember("g", "node1.a", "node1"), lambda event: None)  # type: ignore[arg-type]
         await shell._perform(WatchNeighbours("node3.c", "node3", "node2.b", "node2"))
         await shell._perform(StartFlushTimer(buffered_bytes=buffered_bytes))
         await asyncio.sleep(0)  # a flush "at once" is queued after the current input, one loop turn later
@@ -103,14 +109,8 @@ def test_a_few_publications_go_at_once_even_when_the_link_to_the_right_is_busy(
 
 
 def test_acknowledgements_alone_wait_for_the_flush_interval_even_on_an_idle_link() -> None:
-    class IdleLinkHost(NoHost):
-        flush_interval = 60.0
-
-        def link_idle(self, node: str) -> bool:
-            return True
-
     async def scenario() -> None:
-        shell = MemberShell(IdleLinkHost(), RingMember("g", "node1.a", "node1"), lambda event: None)  # type: ignore[arg-type]
+        shell = MemberShell(LinkHost(idle=True), RingMember("g", "node1.a", "node1"), lambda event: None)  # type: ignore[arg-type]
         await shell._perform(WatchNeighbours("node3.c", "node3", "node2.b", "node2"))
         await shell._perform(StartFlushTimer(acks_only=True))
         await asyncio.sleep(0)
