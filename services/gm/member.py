@@ -294,7 +294,7 @@ class MemberShell:
             # event loop to start writing it before this member hands the publications to the application.
             for action in pending:
                 if isinstance(action, SendRight):
-                    self.host.send_ring_message(action.node, action.message)
+                    await self._perform(action)  # queues the frame for the link: it never waits
             pending = [action for action in pending if not isinstance(action, SendRight)]
             await asyncio.sleep(0)
         while pending:
