@@ -24,6 +24,7 @@ from services.queue.ops import (
     Undecodable,
 )
 from services.queue.replica_core import (
+    PUBLISH_WINDOW_BEHIND,
     PUBLISH_WINDOW_MIN,
     AbandonSteps,
     AppendToLog,
@@ -591,12 +592,37 @@ def test_the_publish_window_holds_publishes_while_prefetch_bound_consumers_wait_
     assert not driven.core.may_publish()
     driven.run(driven.core.consume("c2", 0, 0, driven.now))
     assert driven.core.may_publish(), "a consumer without a prefetch: no window"
-    driven.run(driven.core.cancel("c2", driven.now))
-    driven.run(driven.core.cancel("c1", driven.now))
-    driven.run(driven.core.consume("small", 10, 0, driven.now))
-    assert not driven.core.may_publish(), "500 in flight over the least window"
+
+    small = fresh_master(synchronised=("node2",))
+    small.run(small.core.consume("small", 10, 0, small.now))
+    publish(small, *([b"m"] * 100), persistent=False)  # 10 delivered, 90 ready
+    assert small.core.may_publish(), f"{PUBLISH_WINDOW_MIN} at least (less the 90 ready: 100 < 166)"
+    publish(small, *([b"m"] * 70), persistent=False)
+    assert not small.core.may_publish(), "170 in flight, 160 ready: the window is 96"
+
+
+def test_the_publish_window_shrinks_while_consumers_are_behind_and_one_request_always_fits() -> None:
+    """Ready messages (every consumer holds its full prefetch) count against the window, down to
+    PUBLISH_WINDOW_BEHIND: an acknowledgement then waits behind few publishes, and the backlog drains.
+    A backlog never stops publishing, and acknowledgements that let it drain open the window again."""
+    driven = fresh_master(synchronised=("node2",))
+    driven.run(driven.core.consume("c1", 1000, 0, driven.now))
+    publish(driven, *([b"m"] * 1000), persistent=False)  # all delivered: the prefetch is full
     driven.confirm_ring()
-    publish(driven, *([b"m"] * 255), persistent=False)
-    assert driven.core.may_publish(), f"{PUBLISH_WINDOW_MIN} at least"
+    tags = [d.delivery_tag for c in driven.completed() for d in c.step.deliveries]
+    assert len(tags) == 1000
+    publish(driven, *([b"m"] * 300), persistent=False)
+    assert not driven.core.may_publish(), "300 in flight, 300 ready: the window is 500 - 300"
+    driven.confirm_ring()
+    assert driven.core.may_publish()
+    publish(driven, *([b"m"] * 150), persistent=False)
+    assert not driven.core.may_publish(), "450 ready: the window is at its least"
+    driven.confirm_ring()
+    publish(driven, *([b"m"] * (PUBLISH_WINDOW_BEHIND - 1)), persistent=False)
+    assert driven.core.may_publish(), f"{PUBLISH_WINDOW_BEHIND} at least, however deep the backlog"
     publish(driven, b"m", persistent=False)
     assert not driven.core.may_publish()
+    _, error, effects = driven.core.settle("c1", [Settlement(tags[-1], True, "ack")], driven.now)
+    driven.run(effects)
+    assert error is None
+    assert driven.core.may_publish(), "the acknowledgement delivered the backlog: the full window again"
