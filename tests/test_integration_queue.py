@@ -1,7 +1,8 @@
 """Integration: mirrored queues on a cluster of real node processes.
 
 Basic operations through any node (forwarding to the master), several ready
-deliveries per Consume response, bad input with clear statuses, and the
+deliveries per Consume response, publishing that goes on behind a consumer
+that stopped acknowledging, bad input with clear statuses, and the
 failover acceptance test of issue 4: 100,000 messages published with confirms
 while the master is killed with SIGKILL; every confirmed message is delivered
 afterwards, none twice to the application (an idempotent publisher's retries
@@ -144,6 +145,45 @@ def test_consume_responses_carry_the_ready_deliveries_in_order(
         await on1.delete_queue(queue)
         for opened in (on1, client):
             await opened.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_consumer_that_stops_acknowledging_slows_no_publish_to_a_halt(shared_cluster: cluster.ClusterInfo) -> None:
+    """The publish window shrinks while ready messages wait behind a consumer holding its full prefetch
+    (replica_core.py `may_publish`), to one request's worth at least: a backlog many times the window
+    (here 2,000 messages behind a prefetch of 10, whose window is 256) is still confirmed, in order,
+    and one acknowledgement lets the consumer go on from where it stopped."""
+    count, prefetch = 2_000, 10
+
+    async def scenario() -> None:
+        client = connection(shared_cluster, "node1")
+        queue = "ha.stalled"
+        await client.declare_queue(queue)
+        consumer = client.consumer(queue, prefetch=prefetch)
+        stream = aiter(consumer)
+        producer = client.producer(queue)
+        first = await producer.publish(b"m0")
+        assert first == aio.Outcome.CONFIRMED
+        taken = [await asyncio.wait_for(anext(stream), 10)]
+        deadline = time.monotonic() + 10
+        while (await client.queue_status(queue)).unacked < 1:
+            assert time.monotonic() < deadline, "the consumer was not handed its first message"
+            await asyncio.sleep(0.02)
+        bodies = [f"m{seq}".encode() for seq in range(1, count)]
+        outcomes = await asyncio.wait_for(producer.publish_many(bodies), 60)
+        assert outcomes == [aio.Outcome.CONFIRMED] * (count - 1), "every publish confirmed behind the backlog"
+        status = await client.queue_status(queue)
+        assert (status.unacked, status.ready) == (prefetch, count - prefetch), status
+        while len(taken) < prefetch:
+            taken.append(await asyncio.wait_for(anext(stream), 10))
+        assert [d.body for d in taken] == [f"m{seq}".encode() for seq in range(prefetch)]
+        taken[-1].ack(multiple=True)
+        after = await asyncio.wait_for(anext(stream), 10)
+        assert after.body == f"m{prefetch}".encode(), "the consumer goes on from where it stopped"
+        await consumer.close()
+        await client.delete_queue(queue)
+        await client.close()
 
     asyncio.run(scenario())
 
