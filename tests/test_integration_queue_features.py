@@ -100,6 +100,13 @@ def test_a_poison_message_goes_to_its_dead_letter_queue_after_the_delivery_limit
     asyncio.run(scenario())
 
 
+async def _consumers_attached(client: aio.Connection, queue: str, count: int) -> None:
+    deadline = time.monotonic() + 10
+    while (await client.queue_status(queue)).consumers < count:
+        assert time.monotonic() < deadline, f"{count} consumers did not attach to {queue}"
+        await asyncio.sleep(0.02)
+
+
 def test_single_active_consumer(features: cluster.ClusterInfo) -> None:
     async def scenario() -> None:
         async with connection(features) as client:
@@ -107,9 +114,9 @@ def test_single_active_consumer(features: cluster.ClusterInfo) -> None:
             first = client.consumer("sac.q", prefetch=10)
             second = client.consumer("sac.q", prefetch=10)
             first_task = asyncio.ensure_future(anext(aiter(first)))
-            await asyncio.sleep(0.3)
+            await _consumers_attached(client, "sac.q", 1)  # the first to attach is the active one
             second_task = asyncio.ensure_future(anext(aiter(second)))
-            await asyncio.sleep(0.3)
+            await _consumers_attached(client, "sac.q", 2)
             await client.producer("sac.q").publish_many([b"1", b"2"])
             delivery = await asyncio.wait_for(first_task, 10)
             assert delivery.body == b"1"
