@@ -149,7 +149,7 @@ def test_consume_responses_carry_the_ready_deliveries_in_order(
     asyncio.run(scenario())
 
 
-def test_a_consumer_that_stops_acknowledging_slows_no_publish_to_a_halt(shared_cluster: cluster.ClusterInfo) -> None:
+def test_publishing_goes_on_behind_a_consumer_that_stopped_acknowledging(shared_cluster: cluster.ClusterInfo) -> None:
     """The publish window shrinks while ready messages wait behind a consumer holding its full prefetch
     (replica_core.py `may_publish`), to one request's worth at least: a backlog many times the window
     (here 2,000 messages behind a prefetch of 10, whose window is 256) is still confirmed, in order,
