@@ -33,7 +33,6 @@ import asyncio
 import os
 import platform
 import resource
-import socket
 import statistics
 import struct
 import subprocess
@@ -48,6 +47,7 @@ from typing import Any
 import grpc
 
 from bench.markdown import command_line, replace_marked
+from services.request_guard import EXCLUSIVE_PORT_OPTION
 
 MARK_BEGIN = "<!-- grpc-floor:begin -->"
 MARK_END = "<!-- grpc-floor:end -->"
@@ -79,12 +79,20 @@ def _same(data: bytes) -> bytes:
     return data
 
 
-def _server(on_stream: Callable[[AsyncIterator[bytes], Any], AsyncIterator[bytes]], port: int) -> grpc.aio.Server:
+def _server(on_stream: Callable[[AsyncIterator[bytes], Any], AsyncIterator[bytes]]) -> tuple[grpc.aio.Server, int]:
+    """A server on a port of the kernel's choosing, its own alone (no SO_REUSEPORT: a port picked in advance
+    and bound later could meanwhile go to another process, which would then take a share of the traffic)."""
     handler = grpc.stream_stream_rpc_method_handler(on_stream, request_deserializer=_same, response_serializer=_same)
-    server = grpc.aio.server()
+    server = grpc.aio.server(options=[EXCLUSIVE_PORT_OPTION])
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(_SERVICE, {"Stream": handler}),))
-    server.add_insecure_port(f"127.0.0.1:{port}")
-    return server
+    port = server.add_insecure_port("127.0.0.1:0")
+    return server, port
+
+
+def _tell(line: str) -> None:
+    """A line to the parent (measure_path), which reads the children's stdout."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
 
 
 def _stream_to(port: int) -> tuple[grpc.aio.Channel, Any]:
@@ -135,9 +143,20 @@ class _Outbox:
         await self._channel.close(None)
 
 
-async def _relay(port: int, route: list[list[int]]) -> None:
-    """Serve on `port`; send a message with hop index i to every port of route[i], with hop index i + 1."""
+def _parse_route(line: str) -> list[list[int]]:
+    """A relay's route as measure_path writes it: for each hop index, the ports it goes to ("-": none)."""
+    return [[int(port) for port in targets.split(",")] if targets != "-" else [] for targets in line.split()]
+
+
+def _format_route(ports: list[list[int]]) -> str:
+    return " ".join(",".join(map(str, targets)) or "-" for targets in ports)
+
+
+async def _relay() -> None:
+    """Serve on a free port and say which; read the route (`_parse_route`) from stdin, say "ready"; then send a
+    message with hop index i to every port of route[i], with hop index i + 1. No route: a sink."""
     outboxes: dict[int, _Outbox] = {}
+    route: list[list[int]] = []
 
     async def on_stream(requests: AsyncIterator[bytes], context: Any) -> AsyncIterator[bytes]:
         async for frame in requests:
@@ -152,13 +171,17 @@ async def _relay(port: int, route: list[list[int]]) -> None:
         return
         yield b""  # a stream handler: it answers nothing
 
-    server = _server(on_stream, port)
+    server, port = _server(on_stream)
     await server.start()
+    _tell(str(port))
+    route[:] = _parse_route(await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline))
+    _tell("ready")
     await server.wait_for_termination()
 
 
-async def _consume(port: int, out: Path) -> None:
-    """Serve on `port`, noting each message's stamp and receipt time until THE_END arrives; write them to `out`."""
+async def _consume(out: Path) -> None:
+    """Serve on a free port and say which, noting each message's stamp and receipt time until THE_END arrives;
+    write them to `out`."""
     received: list[tuple[int, int]] = []
     ended = asyncio.Event()
 
@@ -174,8 +197,9 @@ async def _consume(port: int, out: Path) -> None:
         return
         yield b""
 
-    server = _server(on_stream, port)
+    server, port = _server(on_stream)
     await server.start()
+    _tell(str(port))
     await ended.wait()
     out.write_text("".join(f"{stamp} {now}\n" for stamp, now in received))
     await server.stop(None)
@@ -219,16 +243,6 @@ class PathResult:
     relay_cores: float
 
 
-def _free_ports(count: int) -> list[int]:
-    sockets = [socket.socket() for _ in range(count)]
-    for s in sockets:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in sockets]
-    for s in sockets:
-        s.close()
-    return ports
-
-
 def _cpu_seconds(pid: int) -> float:
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
@@ -239,42 +253,75 @@ def _percentile(values: list[float], share: float) -> float:
     return ordered[min(len(ordered) - 1, int(len(ordered) * share))]
 
 
-def _spawn(*arguments: str) -> subprocess.Popen[bytes]:
-    return subprocess.Popen([sys.executable, "-m", "bench.grpc_floor", *arguments])
+class _Child:
+    """A relay or consumer process, with the port it serves on (it picks it and says which)."""
+
+    def __init__(self, *arguments: str) -> None:
+        self.name = " ".join(arguments)
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "bench.grpc_floor", *arguments],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        self.pid = self.process.pid
+        self.port = int(self._hear())
+
+    def _hear(self) -> str:
+        assert self.process.stdout is not None
+        line = self.process.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the {self.name} process ended before it said where it serves")
+        return line.strip()
+
+    def route(self, ports: list[list[int]]) -> None:
+        """Give a relay its route and wait until it has it."""
+        assert self.process.stdin is not None
+        self.process.stdin.write(_format_route(ports) + "\n")
+        self.process.stdin.flush()
+        if self._hear() != "ready":
+            raise RuntimeError(f"the {self.name} process did not take its route")
+
+    def stop(self) -> None:
+        self.process.kill()
+        self.process.wait()
+        for pipe in (self.process.stdin, self.process.stdout):
+            if pipe is not None:
+                pipe.close()
 
 
 def measure_path(shape: str, rate: float, seconds: float) -> PathResult:
     """One run of `shape` (a key of SHAPES) at `rate` msgs/s for `seconds` after the warm-up."""
     route = SHAPES[shape][1]
-    ports = _free_ports(len(route) + 1)
-    consumer = ports[-1]
-
-    def port_of(place: int | str) -> str:
-        return str(consumer if place == "consumer" else ports[int(place)])
-
-    relays = [
-        _spawn("relay", str(ports[place]), *(",".join(map(port_of, targets)) or "-" for targets in hops))
-        for place, hops in route.items()
-    ]
+    children: list[_Child] = []
     with tempfile.TemporaryDirectory(prefix="ringq-floor-") as directory:
         out = Path(directory) / "received"
-        consumer_process = _spawn("consume", str(consumer), str(out))
         try:
+            consumer = _Child("consume", str(out))
+            children.append(consumer)
+            relays: dict[int, _Child] = {}
+            for place in route:
+                relays[place] = _Child("relay")
+                children.append(relays[place])
+            ports = {place: relay.port for place, relay in relays.items()}
+            for place, hops in route.items():
+                relays[place].route(
+                    [[consumer.port if t == "consumer" else ports[int(t)] for t in hop] for hop in hops]
+                )
             marks: list[tuple[float, float]] = []  # (relays' CPU seconds, monotonic time) at the timed part's ends
 
             def mark() -> None:
-                marks.append((sum(_cpu_seconds(p.pid) for p in relays), time.monotonic()))
+                marks.append((sum(_cpu_seconds(r.pid) for r in relays.values()), time.monotonic()))
 
-            sent, timed_from = asyncio.run(_produce(ports[0], rate, seconds, mark))
+            sent, timed_from = asyncio.run(_produce(relays[0].port, rate, seconds, mark))
             (cpu_before, started), (cpu_after, ended) = marks
             cores = (cpu_after - cpu_before) / (ended - started)
-            consumer_process.wait(timeout=30)
+            consumer.process.wait(timeout=30)
             pairs = (map(int, line.split()) for line in out.read_text().splitlines())
             latencies = [(now - stamp) / 1e6 for stamp, now in pairs if stamp >= timed_from]
         finally:
-            for process in (*relays, consumer_process):
-                process.kill()
-                process.wait()
+            for child in children:
+                child.stop()
     kept = latencies or [float("nan")]
     return PathResult(shape, rate, sent, len(latencies), _percentile(kept, 0.5), _percentile(kept, 0.99), cores)
 
@@ -293,13 +340,12 @@ async def _write_cost(size: int, count: int, port: int) -> tuple[float, float]:
 
 
 def measure_writes(sizes: list[int], count: int) -> dict[int, tuple[float, float]]:
-    (port,) = _free_ports(1)
-    sink = subprocess.Popen([sys.executable, "-m", "bench.grpc_floor", "relay", str(port)])
+    sink = _Child("relay")
     try:
-        return {size: asyncio.run(_write_cost(size, count, port)) for size in sizes}
+        sink.route([])
+        return {size: asyncio.run(_write_cost(size, count, sink.port)) for size in sizes}
     finally:
-        sink.kill()
-        sink.wait()
+        sink.stop()
 
 
 def _spread(values: list[float], digits: int = 2) -> str:
@@ -349,11 +395,10 @@ def section(writes: dict[int, tuple[float, float]], paths: list[PathResult], com
 def main(argv: list[str] | None = None) -> int:
     arguments = sys.argv[1:] if argv is None else argv
     if arguments[:1] == ["relay"]:
-        hops = [[int(port) for port in targets.split(",")] if targets != "-" else [] for targets in arguments[2:]]
-        asyncio.run(_relay(int(arguments[1]), hops))
+        asyncio.run(_relay())
         return 0
     if arguments[:1] == ["consume"]:
-        asyncio.run(_consume(int(arguments[1]), Path(arguments[2])))
+        asyncio.run(_consume(Path(arguments[1])))
         return 0
     parser = argparse.ArgumentParser(prog="python -m bench.grpc_floor", description=__doc__.splitlines()[0])
     parser.add_argument("--rates", default="1000,2000", help="msgs/s of the relay paths, comma-separated")

@@ -4,6 +4,7 @@ message crosses its hops and arrives)."""
 from __future__ import annotations
 
 import os
+import socket
 import time
 
 import pytest
@@ -71,3 +72,21 @@ def test_every_message_crosses_its_path(shape: str) -> None:
     assert result.received == result.sent, "a message was lost on the relay path"
     assert 0 < result.p50_ms <= result.p99_ms
     assert result.relay_cores >= 0
+
+
+@pytest.mark.integration
+def test_a_relay_serves_on_a_port_of_its_own_and_says_which() -> None:
+    """Found by CI: in a ring run the consumer never heard the end. Ports were picked in advance, freed, and
+    bound by the relays later, with gRPC's default SO_REUSEPORT, while other tests started servers in
+    parallel; a port taken meanwhile is shared silently, and traffic to it can reach the other process (the
+    likeliest cause: nothing else on the path drops a message). Now each relay binds a port of the kernel's
+    choosing, alone, and tells measure_path which."""
+    relay = grpc_floor._Child("relay")
+    try:
+        relay.route([])
+        with socket.socket() as other:
+            other.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+            with pytest.raises(OSError):
+                other.bind(("127.0.0.1", relay.port))
+    finally:
+        relay.stop()
