@@ -59,6 +59,7 @@ from bench.reference.rabbitmq_workloads import (
     _cpu_seconds,
     _join,
     broker_cores,
+    client_process,
     run_producer,
     w1_result,
 )
@@ -460,7 +461,9 @@ def run_spread(
             ready=ready,
         )
         starts.append(_CTX.Value("d", 0.0))
-        processes.append(_CTX.Process(target=_spread_main, args=(cfg, starts[-1], results), name=f"producer-{i}"))
+        processes.append(
+            _CTX.Process(target=client_process, args=(_spread_main, cfg, starts[-1], results), name=f"producer-{i}")
+        )
     try:
         for process in processes:
             process.start()

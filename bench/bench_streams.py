@@ -41,7 +41,7 @@ from typing import Any, Protocol, Self, TypeVar
 from bench.bench_gm import machine
 from bench.bench_queues import _StopOnSignal, markdown_table, text_table
 from bench.markdown import command_line, replace_marked
-from bench.reference.rabbitmq_workloads import _CTX, _await_start, _collect, _join
+from bench.reference.rabbitmq_workloads import _CTX, _await_start, _collect, _join, client_process
 from bench.stream_clients import (
     CONFIRM_GRACE_S,
     MAX_IN_FLIGHT,
@@ -386,8 +386,10 @@ def run_clients(
     ready, stop = _CTX.Event(), _CTX.Event()
     started = _CTX.Value("d", 0.0)
     expected = _CTX.Value("q", 0)
-    consumer = _CTX.Process(target=consumer_main, args=(cfg, ready, stop, expected, results), name="consumer")
-    producer = _CTX.Process(target=producer_main, args=(cfg, started, results), name="producer")
+    consumer = _CTX.Process(
+        target=client_process, args=(consumer_main, cfg, ready, stop, expected, results), name="consumer"
+    )
+    producer = _CTX.Process(target=client_process, args=(producer_main, cfg, started, results), name="producer")
     killed_at: float | None = None
     try:
         consumer.start()

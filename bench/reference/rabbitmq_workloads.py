@@ -807,7 +807,7 @@ ProducerMain = Callable[[Any, Any, "multiprocessing.Queue[Any]"], None]
 ConsumerMain = Callable[..., None]  # (cfg, ready, stop, results)
 
 
-def _client(main: Callable[..., None], *args: Any) -> None:
+def client_process(main: Callable[..., None], *args: Any) -> None:
     """A client process's entry, for every system's `main`: what its imports allocated (the client library,
     gRPC and protobuf, pika or nats-py: tens of thousands of objects) is moved out of the collector's reach
     before the run, as the ringq nodes do at start (services/node.py). The run's collections then scan only
@@ -821,7 +821,7 @@ def run_producer(main: ProducerMain, cfg: Any, cpu_seconds: CpuClock, durations:
     """W1's processes: the producer `main(cfg, started, results)` alone; its report and the brokers' cores."""
     results: multiprocessing.Queue[Any] = _CTX.Queue()
     started = _CTX.Value("d", 0.0)
-    producer = _CTX.Process(target=_client, args=(main, cfg, started, results), name="w1-producer")
+    producer = _CTX.Process(target=client_process, args=(main, cfg, started, results), name="w1-producer")
     producer.start()
     try:
         started_s = _await_start(started, producer)
@@ -874,8 +874,8 @@ def run_pair(spec: PairSpec, on_started: Callable[[float], _KillInfo | None] | N
     started = _CTX.Value("d", 0.0)
     consumer_args = (spec.consumer_main, spec.consumer_cfg, ready, stop, results)
     producer_args = (spec.producer_main, spec.producer_cfg, started, results)
-    consumer = _CTX.Process(target=_client, args=consumer_args, name="consumer")
-    producer = _CTX.Process(target=_client, args=producer_args, name="producer")
+    consumer = _CTX.Process(target=client_process, args=consumer_args, name="consumer")
+    producer = _CTX.Process(target=client_process, args=producer_args, name="producer")
     kill: _KillInfo | None = None
     got: dict[str, Any] = {}
     try:
