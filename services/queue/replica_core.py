@@ -870,12 +870,13 @@ class ReplicaCore:
         While consumers are behind, the window shrinks by the ready messages, to PUBLISH_WINDOW_BEHIND at
         least (about one publish request in flight). Ready messages with prefetch-bound consumers mean every
         consumer that may take them (the active one, with single active consumer) holds its full prefetch:
-        each acknowledgement then waits behind the publishes in flight,
-        and a backlog that a short stall of the consumer built drained slowly at full publishing (issue 13,
-        W2, 24 runs each: p99 median 81 ms, 8 runs over 100 ms and up to 489 ms; with the shrinking window
-        median 54 ms, at most 98 ms). Not a limit on the queue: a backlog still grows while consumers are
-        slower than publishers, and publishers go on, slower (W1 with a stalled consumer attached: 54,000 to
-        56,000 confirmed msgs/s with the full window, 40,000 with this one)."""
+        each acknowledgement then waits behind the publishes in flight, and a backlog that a short stall of
+        the consumer built drained slowly at full publishing (issue 13, W2, 24 runs each: p99 median 81 ms,
+        8 runs over 100 ms and up to 489 ms; with the shrinking window median 54 ms, at most 98 ms).
+
+        Not a limit on the queue: a backlog still grows while consumers are slower than publishers, and
+        publishers go on, slower (W1 with a stalled consumer attached: 54,000 to 56,000 confirmed msgs/s
+        with the full window, 40,000 with this one)."""
         state = self.master
         if state is None or self.role is not Role.MASTER:
             return True  # publish() answers
