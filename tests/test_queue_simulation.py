@@ -67,6 +67,10 @@ def test_seeded_schedules_lose_no_confirmed_message_and_converge(first: int) -> 
         # The master died while the eldest synchronised mirror's node was down but not yet recorded dead;
         # when its death came the other mirrors did not look again: no promotion, the queue waited.
         19183,
+        # The old master held confirms for a mirror whose disk was full and which the record still listed
+        # (the master was cut off from the coordinator), then died; the promoted master answered the
+        # resends DUPLICATE at once, confirming messages that listed disk did not hold.
+        7011531,
     ],
 )
 def test_seeds_that_found_bugs(seed: int) -> None:

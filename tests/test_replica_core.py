@@ -277,6 +277,83 @@ def test_a_mirror_tells_a_promoted_master_how_far_its_disk_goes_in_that_masters_
     assert said[-1].master == "node3.c" and said[-1].through_seq == 4
 
 
+def promoted_mirror_with(message: Message) -> tuple[Driven, int]:
+    """node2, the eldest of two synchronised mirrors (node3 the other), holds `message` from node1 and
+    promotes itself when node1 dies; with the first sequence number of its broadcasts as master."""
+    driven = mirror_of(synchronised_mirrors=("node2", "node3"), mirrors=("node2", "node3"))
+    driven.run(driven.core.on_members_changed(["node3.c"], [], 0))
+    driven.reports("node1.a", 2, Enqueue(message))
+    driven.flush_all()
+    driven.take(Broadcast)
+    driven.run(driven.core.on_members_changed([], ["node1.a"], 0))
+    assert role(driven) is Role.MASTER and driven.record.synchronised_mirrors == ("node3",)
+    first_seq = driven.take(Broadcast)[0].first_seq
+    driven.flush_all()
+    driven.confirm_ring()
+    driven.completed()
+    return driven, first_seq
+
+
+def test_a_promoted_master_confirms_a_duplicate_only_once_every_listed_mirrors_disk_holds_what_it_inherited() -> None:
+    """Found by the simulator (seed 7011531): the old master held a message's confirm for a mirror whose
+    disk was full and which the record still listed (the master was cut off from the coordinator), then
+    died. The promoted master answered the publisher's resend DUPLICATE at once: a confirm of a message
+    that a replica the record listed did not hold on disk."""
+    driven, first_seq = promoted_mirror_with(Message(1, b"kept", "p", 1, True))
+    step_id, outcomes, effects = driven.core.publish([Publish(b"kept", "p", 1, persistent=True)], 0)
+    assert outcomes == [PublishOutcome.DUPLICATE]
+    driven.run(effects)
+    driven.confirm_ring()
+    driven.flush_all()
+    assert confirmed_steps(driven) == [], "node3's log has not said it holds what node2 inherited"
+    driven.reports("node3.c", 1, Persisted("node3.c", "node2.b", first_seq - 1))
+    assert confirmed_steps(driven) == []
+    driven.reports("node3.c", 2, Persisted("node3.c", "node2.b", first_seq))
+    assert confirmed_steps(driven) == [step_id]
+
+
+def test_a_promoted_master_confirms_new_messages_and_transient_duplicates_as_before() -> None:
+    driven, _ = promoted_mirror_with(Message(1, b"passing", "p", 1, False))
+    step_id, outcomes, effects = driven.core.publish([Publish(b"passing", "p", 1)], 0)
+    assert outcomes == [PublishOutcome.DUPLICATE]
+    driven.run(effects)
+    driven.confirm_ring()
+    assert confirmed_steps(driven) == [step_id], "a transient message's confirm waits for no disk"
+    fresh = publish(driven, b"new")
+    driven.confirm_ring()
+    driven.flush_all()
+    driven.reports("node3.c", 1, Persisted("node3.c", "node2.b", driven.core.next_seq - 1))
+    assert confirmed_steps(driven) == [fresh]
+
+
+def test_a_listed_mirror_tells_a_new_master_how_far_its_log_goes_even_if_nothing_new_is_logged() -> None:
+    driven = mirror_of(synchronised_mirrors=("node2", "node3"), mirrors=("node3", "node2"))
+    driven.flush_all()
+    driven.run(driven.core.on_members_changed(["node3.c"], [], 0))
+    driven.run(driven.core.on_members_changed([], ["node1.a"], 0))  # node3, the eldest, promotes itself
+    driven.set_record(master="node3", master_epoch=2, mirrors=("node2",), synchronised_mirrors=("node2",))
+    driven.take(Broadcast)
+    driven.reports("node3.c", 3, Depth(0, 2))
+    assert driven.said() == [Synchronised("node2.b")]
+    driven.flush_all()
+    assert driven.said() == [Persisted("node2.b", "node3.c", 3)]
+
+
+def test_a_listed_mirror_whose_disk_failed_says_so_again_to_a_new_master() -> None:
+    """Seed 7011531 again: the old master could not strike the mirror from the record before it died, so
+    the new master would have held every persistent confirm until that disk wrote again."""
+    driven = mirror_of(synchronised_mirrors=("node2", "node3"), mirrors=("node3", "node2"))
+    driven.flush_all()
+    driven.run(driven.core.on_disk_failed("No space left on device", 0))
+    assert Desynchronised("node2.b") in driven.said()
+    driven.run(driven.core.on_members_changed(["node3.c"], [], 0))
+    driven.run(driven.core.on_members_changed([], ["node1.a"], 0))
+    driven.set_record(master="node3", master_epoch=2, mirrors=("node2",), synchronised_mirrors=("node2",))
+    driven.reports("node3.c", 3, Depth(0, 2))
+    said = driven.said()
+    assert said[0] == Desynchronised("node2.b") and isinstance(said[1], SyncRequest)
+
+
 def test_the_eldest_synchronised_mirror_promotes_itself_by_compare_and_set_and_requeues_what_was_pending() -> None:
     driven = mirror_of(durable=False, synchronised_mirrors=("node2",))
     driven.reports("node1.a", 2, Enqueue(Message(1, b"x")), Depth(1, 1))

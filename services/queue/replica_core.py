@@ -54,6 +54,13 @@ The hard cases
 6. The eldest live synchronised mirror promotes itself when the master dies. Its node may be down but
    not yet recorded dead: every later death (while the master is gone and the record names no newer
    master) makes each mirror look again, or two live synchronised mirrors would wait for ever.
+7. A promoted master inherits messages its predecessor may never have confirmed: one held back for a
+   mirror whose disk had failed and that the record still listed (the predecessor could not reach the
+   coordinator to strike it), say. Its publisher sends it again, and the answer, DUPLICATE, is a
+   confirm: it waits for the new master's own log and for every required mirror's log to hold the new
+   master's first broadcast (a listed mirror flushes when it first hears a new master, then says
+   Persisted). A listed mirror whose disk failed says Desynchronised again to the new master, which
+   strikes it, or the confirms would wait for that disk.
 
 Invariants (checked by tests/sim after every step)
 --------------------------------------------------
@@ -383,6 +390,12 @@ class _MasterState:
     depth_owed: bool = True
     below_floor: bool = False
     persistent_changes_seen: int = 0  # the contents' counter as of the last step carried out
+    # A master that took over its predecessor's messages (promotion): its first broadcast's GM sequence
+    # number and the flush of its own log that holds them. A confirm of a persistent duplicate (a message
+    # decided before, perhaps by the predecessor, perhaps never confirmed) waits for that flush and for
+    # every required mirror's log to hold this master's reports through that broadcast (hard case 7).
+    inherited_seq: int = 0
+    inherited_flush: int = 0
     publishing: int = 0  # the messages of the publish steps in `pending`: the publish window's fill
 
 
@@ -423,6 +436,7 @@ class ReplicaCore:
         self._flush_seqs: dict[int, tuple[str, int]] = {}
         self._synchronised_flush = 0  # a mirror says it is synchronised once this flush is done
         self._said_persisted = ("", 0)
+        self._persisted_owed = False  # a new master heard: flush, then say how far this log holds its reports
         self._notices: list[tuple[str, str]] = []  # (kind, detail) for the master, once this mirror hears it
         # Looking and recovering.
         self.look_until_ms = 0
@@ -620,6 +634,10 @@ class ReplicaCore:
             effects += said
         if changed_log:
             effects += self._mirror_flush()
+        elif self._persisted_owed and self.role is Role.MIRROR and self.log is LogState.KEEPING:
+            effects += self._flush()
+            self._flush_seqs[self.next_flush_id - 1] = (self.master_member, self.applied_seq)
+        self._persisted_owed = False
         return effects
 
     def _mirror_applies_run(
@@ -849,7 +867,10 @@ class ReplicaCore:
         self._refuse_persistent_if_disk_failed(items)
         self._refuse_unless_two_copies()
         step, outcomes = master.publish(items, now_ms)
-        step_id, effects = self._carry_out_step(step, now_ms, publishes=True, messages=len(items))
+        vouches = any(o is PublishOutcome.DUPLICATE and i.persistent for i, o in zip(items, outcomes, strict=True))
+        step_id, effects = self._carry_out_step(
+            step, now_ms, publishes=True, messages=len(items), vouches_for_earlier=vouches
+        )
         return step_id, outcomes, effects
 
     def may_publish(self) -> bool:
@@ -965,9 +986,11 @@ class ReplicaCore:
         return self._carry_out_step(step, now_ms, publishes=False)[1]
 
     def _carry_out_step(
-        self, step: Step, now_ms: int, *, publishes: bool, messages: int = 0
+        self, step: Step, now_ms: int, *, publishes: bool, messages: int = 0, vouches_for_earlier: bool = False
     ) -> tuple[int, list[Effect]]:
-        """Queue the step's broadcast and log writes now, in decision order; it completes later."""
+        """Queue the step's broadcast and log writes now, in decision order; it completes later.
+        `vouches_for_earlier`: its confirms cover persistent messages decided before (duplicates), which
+        this master may have inherited: they wait for the inherited barrier too (hard case 7)."""
         state = self.master
         assert state is not None
         step_id = self._next_step_id
@@ -1005,6 +1028,9 @@ class ReplicaCore:
                 flush_id = self.next_flush_id - 1 if enqueued else 0
             elif self.log is LogState.FAILED and enqueued:
                 flush_id = self.next_flush_id  # the flush that follows the disk's recovery
+        if vouches_for_earlier and state.inherited_seq:
+            persistent_seq = max(persistent_seq, state.inherited_seq)
+            flush_id = max(flush_id, state.inherited_flush)
         state.pending.append(_Pending(step_id, step, last_seq, persistent_seq, flush_id, publishes, now_ms, messages))
         state.publishing += messages
         return step_id, effects + self._complete_ready(now_ms)
@@ -1265,7 +1291,14 @@ class ReplicaCore:
         # the old master had marked (they hold what it held); a recovery from a log marks none.
         listed = self.node in self.record.synchronised_mirrors
         if mirror.synchronised and listed and self.log is not LogState.FAILED and self.log is not LogState.WRITING:
+            # Its log holds what the predecessor decided; the new master needs to hear so before it confirms
+            # a duplicate of any of it (hard case 7): a flush once the new master's first reports are applied.
+            self._persisted_owed = self.log is LogState.KEEPING
             return effects + self._say(Synchronised(self.member))
+        if listed and self.log is LogState.FAILED:
+            # It left the synchronised mirrors when its disk failed, and the old master died before the record
+            # said so: it says so again, or the new master would hold confirms for its disk (hard case 7).
+            effects += self._say(Desynchronised(self.member))
         if not listed and (mirror.synchronised or mirror.contents.messages):
             # What it holds came from another master's history: checked, and caught up, by a full sync.
             mirror.contents.unverify()
@@ -1435,6 +1468,11 @@ class ReplicaCore:
                     )
                 )
                 effects += self._flush()
+            state = self.master
+            assert state is not None
+            if self.replicates_messages:  # the barrier of hard case 7: this master's next broadcast, its flush
+                state.inherited_seq = self.next_seq
+                state.inherited_flush = self.next_flush_id - (self.log is not LogState.FAILED)
         detail = "promoted" if synchronised else "promoted unsynchronised: messages may be lost"
         if not self.replicates_messages:
             detail = "promoted empty (replication wiring): the old master's messages are lost"
