@@ -489,6 +489,7 @@ class SimReplica:
             sim.checker.on_event(effect.event)
         elif isinstance(effect, Stop):
             self.gone = True
+            self.node.disk.close()
             if self.member is not None and not self.member.gone:
                 self.member.post(lambda core: core.leave())
             sim.consumer.replica_gone(self)

@@ -95,6 +95,12 @@ class SimDisk:
         self.exists = True
         return True
 
+    def close(self) -> None:
+        """Its replica stopped, the node lives on: the log is closed without a flush (replica_log.py), so
+        what was appended since the last flush is dropped, as in a crash; a replica recreated on the node
+        finds only what was flushed, and its own flushes must not carry its predecessor's appends."""
+        self.crash()
+
     def crash(self) -> None:
         self.buffer = []
         self.fresh = None
