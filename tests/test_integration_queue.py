@@ -107,6 +107,24 @@ def test_queue_operations_through_any_node(shared_cluster: cluster.ClusterInfo) 
     asyncio.run(scenario())
 
 
+def test_a_producers_headers_reach_the_consumer_and_a_message_sent_without_has_none(
+    shared_cluster: cluster.ClusterInfo,
+) -> None:
+    async def scenario() -> None:
+        client = connection(shared_cluster, "node1")
+        await client.declare_queue("headers")
+        producer = client.producer("headers")
+        with_headers = await producer.send(b"with", headers={"k": "v", "n": "1"})
+        assert [await with_headers, await producer.publish(b"without")] == [aio.Outcome.CONFIRMED] * 2
+        first, second = await client.get("headers", no_ack=True), await client.get("headers", no_ack=True)
+        assert first is not None and first.body == b"with" and first.headers == {"k": "v", "n": "1"}
+        assert second is not None and second.body == b"without" and second.headers == {}
+        await client.delete_queue("headers")
+        await client.close()
+
+    asyncio.run(scenario())
+
+
 @pytest.mark.parametrize("through", ["node1", "node2"], ids=["on-the-master", "forwarded"])
 def test_consume_responses_carry_the_ready_deliveries_in_order(
     shared_cluster: cluster.ClusterInfo, through: str

@@ -557,9 +557,10 @@ class Producer:
 
     def _message(self, seq: int) -> queue_pb2.OutgoingMessage:
         pending = self._unconfirmed[seq]
-        return queue_pb2.OutgoingMessage(
-            body=pending.body, seq=seq, persistent=pending.persistent, headers=pending.headers
-        )
+        message = queue_pb2.OutgoingMessage(body=pending.body, seq=seq, persistent=pending.persistent)
+        if pending.headers:  # an empty map passed as an argument costs twice the rest of the message
+            message.headers.update(pending.headers)
+        return message
 
     def _settled(self, seq: int, outcome: Outcome) -> None:
         pending = self._unconfirmed.pop(seq, None)
