@@ -635,8 +635,7 @@ class ReplicaCore:
         if changed_log:
             effects += self._mirror_flush()
         elif self._persisted_owed and self.role is Role.MIRROR and self.log is LogState.KEEPING:
-            effects += self._flush()
-            self._flush_seqs[self.next_flush_id - 1] = (self.master_member, self.applied_seq)
+            effects += self._flush_for_master()
         self._persisted_owed = False
         return effects
 
@@ -1384,8 +1383,11 @@ class ReplicaCore:
 
     def _mirror_flush(self) -> list[Effect]:
         """After a batch of reports that changed the log: mark how far it goes, make it durable."""
-        effects: list[Effect] = [AppendToLog((), (), Position(self.epoch, self._log_change_seq))]
-        effects += self._flush()
+        return [AppendToLog((), (), Position(self.epoch, self._log_change_seq)), *self._flush_for_master()]
+
+    def _flush_for_master(self) -> list[Effect]:
+        """A flush that, once done, tells the master this log holds its reports through the last applied."""
+        effects = self._flush()
         self._flush_seqs[self.next_flush_id - 1] = (self.master_member, self.applied_seq)
         return effects
 
