@@ -866,7 +866,11 @@ class ReplicaCore:
         self._refuse_persistent_if_disk_failed(items)
         self._refuse_unless_two_copies()
         step, outcomes = master.publish(items, now_ms)
-        vouches = any(o is PublishOutcome.DUPLICATE and i.persistent for i, o in zip(items, outcomes, strict=True))
+        state = self.master
+        inherited = state is not None and state.inherited_seq > 0  # only a promoted master's duplicates wait
+        vouches = inherited and any(
+            o is PublishOutcome.DUPLICATE and i.persistent for i, o in zip(items, outcomes, strict=True)
+        )
         step_id, effects = self._carry_out_step(
             step, now_ms, publishes=True, messages=len(items), vouches_for_earlier=vouches
         )
