@@ -59,3 +59,45 @@ def test_multiple_acks_are_remembered_and_memory_is_bounded() -> None:
         await connection.close()
 
     asyncio.run(scenario())
+
+
+def test_a_multiple_ack_settles_what_is_unsettled_up_to_its_tag_and_no_further() -> None:
+    async def scenario() -> None:
+        connection = aio.Connection("127.0.0.1:1")
+        consumer = connection.consumer("q")
+        stream = consumer._stream = aio._Stream(1)
+        deliveries = [_delivery(consumer, tag, tag, False, 1) for tag in range(1, 8)]
+        for delivery in deliveries:
+            consumer._already_acked(stream, delivery)
+        assert deliveries[2].ack()  # tag 3 alone, ahead of the others
+        assert deliveries[3].nack(requeue=True, multiple=True)  # tags 1, 2 and 4: requeued, not remembered
+        assert list(consumer._acked) == [("p", 3)]
+        assert deliveries[5].ack(multiple=True)  # tags 5 and 6; 7 stays
+        assert list(consumer._acked) == [("p", 3), ("p", 5), ("p", 6)]
+        assert list(stream.unsettled) == [7]
+        await connection.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_delivery_reads_every_field_of_its_message() -> None:
+    message = queue_pb2.QueueDelivery(
+        consumer_tag="c",
+        delivery_tag=7,
+        body=b"body",
+        publisher="p",
+        seq=3,
+        message_id=11,
+        redelivered=True,
+        delivery_count=2,
+        headers={"k": "v"},
+    )
+    delivery = aio.Delivery(message, "q", None, 0)
+    assert (delivery.queue, delivery.body, delivery.delivery_tag) == ("q", b"body", 7)
+    assert (delivery.publisher, delivery.seq, delivery.message_id) == ("p", 3, 11)
+    assert (delivery.redelivered, delivery.delivery_count, delivery.consumer_tag) == (True, 2, "c")
+    assert delivery.headers == {"k": "v"}
+    delivery.headers["added"] = "by the application"
+    assert delivery.headers == {"k": "v", "added": "by the application"}, "the same dict on every read"
+    bare = aio.Delivery(queue_pb2.QueueDelivery(delivery_tag=1), "q", None, 0)
+    assert bare.headers == {} and bare.delivery_count == 0 and bare.message_id == 0

@@ -590,17 +590,20 @@ class Producer:
 
 
 class Delivery:
-    """A message delivered to a consumer (or taken by `get`)."""
+    """A message delivered to a consumer (or taken by `get`).
+
+    What every consumer reads (the body, the delivery tag, the publisher's name and sequence number, the
+    redelivered flag) is copied out of the response at once; the rest (headers, delivery count, message
+    id, consumer tag) is read from it when first asked for: copying all ten fields took 1.5 us a message,
+    a tenth of a consumer's cost per message (issue 13)."""
 
     __slots__ = (
         "_consumer",
+        "_headers",
+        "_message",
         "_stream",
         "body",
-        "consumer_tag",
-        "delivery_count",
         "delivery_tag",
-        "headers",
-        "message_id",
         "publisher",
         "queue",
         "redelivered",
@@ -610,17 +613,33 @@ class Delivery:
     def __init__(self, message: queue_pb2.QueueDelivery, queue: str, consumer: Consumer | None, stream: int) -> None:
         self.queue = queue
         self.body = message.body
-        headers = message.headers
-        self.headers = dict(headers) if headers else {}
         self.redelivered = message.redelivered
-        self.delivery_count = message.delivery_count
         self.publisher = message.publisher
         self.seq = message.seq
-        self.message_id = message.message_id
-        self.consumer_tag = message.consumer_tag
         self.delivery_tag = message.delivery_tag
+        self._message = message
+        self._headers: dict[str, str] | None = None
         self._consumer = consumer
         self._stream = stream
+
+    @property
+    def headers(self) -> dict[str, str]:
+        headers = self._headers
+        if headers is None:
+            headers = self._headers = dict(self._message.headers)
+        return headers
+
+    @property
+    def delivery_count(self) -> int:
+        return self._message.delivery_count
+
+    @property
+    def message_id(self) -> int:
+        return self._message.message_id
+
+    @property
+    def consumer_tag(self) -> str:
+        return self._message.consumer_tag
 
     def __repr__(self) -> str:
         return (
@@ -746,14 +765,26 @@ class Consumer:
                     self._acked[key] = None
 
     def _queue_settlement(self, stream: _Stream, settlement: queue_pb2.Settlement) -> None:
-        tag = settlement.delivery_tag
-        tags = [t for t in stream.unsettled if t <= tag] if settlement.multiple else [tag]
-        for settled in tags:
-            key = stream.unsettled.pop(settled, None)
-            if key is not None and settlement.kind == queue_pb2.SETTLE_KIND_ACK:
-                self._acked[key] = None
-                while len(self._acked) > ACKED_MEMORY:
-                    self._acked.popitem(last=False)
+        tag, unsettled = settlement.delivery_tag, stream.unsettled
+        if settlement.multiple:
+            tags = []
+            for unsettled_tag in unsettled:  # in delivery order: a stream's delivery tags only grow
+                if unsettled_tag > tag:
+                    break
+                tags.append(unsettled_tag)
+        else:
+            tags = [tag]
+        if settlement.kind == queue_pb2.SETTLE_KIND_ACK:
+            acked = self._acked
+            for settled in tags:
+                key = unsettled.pop(settled, None)
+                if key is not None:
+                    acked[key] = None
+            while len(acked) > ACKED_MEMORY:
+                acked.popitem(last=False)
+        else:
+            for settled in tags:
+                unsettled.pop(settled, None)
         stream.settlements.append(settlement)
         stream.wake.set()
 
