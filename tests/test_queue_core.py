@@ -7,6 +7,7 @@ import random
 
 import pytest
 
+from services.queue.contents import QueueContents
 from services.queue.master import (
     EPOCH_ID_SHIFT,
     GET_CONSUMER,
@@ -18,7 +19,19 @@ from services.queue.master import (
     Step,
 )
 from services.queue.mirror import QueueMirror
-from services.queue.ops import Depth, Desynchronised, Report, Synchronised, SyncRequest
+from services.queue.ops import (
+    Deliver,
+    Depth,
+    Desynchronised,
+    Enqueue,
+    Message,
+    Report,
+    Requeue,
+    Settle,
+    Synchronised,
+    SyncRequest,
+    Transaction,
+)
 
 
 def bodies(step: Step) -> list[bytes]:
@@ -68,6 +81,18 @@ def test_messages_go_to_a_consumer_in_order_and_acks_remove_them() -> None:
     assert bodies(step) == [b"3"]
     q.feed(q.master.ack("c", 3))
     assert q.master.contents.depth == 0
+    assert all(same(q.master, m) for m in q.mirrors)
+
+
+def test_a_multiple_ack_takes_the_unacknowledged_up_to_its_tag_and_no_further() -> None:
+    q = Replicated()
+    q.feed(publish(q.master, *(bytes([b]) for b in b"1234567")))
+    q.feed(q.master.consume("c", prefetch=7))
+    q.feed(q.master.ack("c", 3))  # alone, ahead of the others
+    q.feed(q.master.ack("c", 5, multiple=True))  # 1, 2, 4 and 5
+    assert sorted(q.master.contents.messages) == [6, 7]
+    step = q.feed(q.master.nack("c", 7, multiple=True))  # 6 and 7 requeued: delivered again, in order
+    assert bodies(step) == [b"6", b"7"] and all(d.redelivered for d in step.deliveries)
     assert all(same(q.master, m) for m in q.mirrors)
 
 
@@ -369,3 +394,54 @@ def test_a_mirror_keeps_no_trace_of_messages_that_passed_through() -> None:
     assert contents.depth == depth
     assert len(contents._ready_heap) <= 2 * depth + HEAP_SLACK + 1
     assert contents.head() is not None and contents.head().id == 200_001 - depth  # type: ignore[union-attr]
+
+
+def _contents_state(contents: QueueContents) -> tuple[object, ...]:
+    seqs = {p: (s.through, sorted(s.above)) for p, s in contents.publishers.items()}
+    return (
+        list(contents.messages),
+        sorted(contents.unacked),
+        contents.bytes,
+        contents.persistent_changes,
+        contents.max_id,
+        contents.first_enqueued_id,
+        seqs,
+        list(contents.ready_ids()),
+    )
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_a_run_of_enqueues_in_one_pass_leaves_what_one_at_a_time_leaves(seed: int) -> None:
+    """`QueueContents.enqueue_many` (and a transaction's runs, `apply_changes`) against `enqueue` one by one:
+    duplicates, persistent messages, several publishers, requeued ids below the new ones, removals."""
+    rng = random.Random(seed)
+    one, many, transaction = QueueContents(), QueueContents(), QueueContents()
+    next_id = 1
+    for _ in range(60):
+        roll = rng.random()
+        if roll < 0.5:
+            run = []
+            for _ in range(rng.randint(0, 12)):
+                reuse = rng.random() < 0.1 and next_id > 1
+                message_id = rng.randint(1, next_id - 1) if reuse else next_id
+                next_id += not reuse
+                publisher = rng.choice(["", "a", "b"])
+                seq = rng.randint(0, 30) if publisher else 0
+                run.append(Message(message_id, b"x" * rng.randint(0, 9), publisher, seq, rng.random() < 0.3))
+            for message in run:
+                one.enqueue(message)
+            many.enqueue_many(run)
+            transaction.apply(Transaction(tuple(Enqueue(m) for m in run)))
+            continue
+        held = sorted(one.messages)
+        ids = tuple(rng.sample(held, min(len(held), rng.randint(1, 4))))
+        ready = [i for i in ids if one.is_ready(i)]
+        unacked = [i for i in ids if i in one.unacked]
+        change: Report = (
+            Deliver(tuple(ready)) if roll < 0.7 else Requeue(tuple(unacked)) if roll < 0.85 else Settle(ids)
+        )
+        for contents in (one, many, transaction):
+            contents.apply(change)
+        assert _contents_state(many) == _contents_state(one)
+        assert _contents_state(transaction) == _contents_state(one)
+    assert [m.id for m in many.take_ready(-1)] == [m.id for m in one.take_ready(-1)]

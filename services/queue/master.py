@@ -404,8 +404,15 @@ class QueueMaster:
                 "FAILED_PRECONDITION",
                 f"unknown delivery tag {delivery_tag} for consumer {consumer_tag!r} on {self.name!r}",
             )
-        tags = [t for t in consumer.unacked if t <= delivery_tag] if multiple else [delivery_tag]
-        return [consumer.unacked.pop(t) for t in sorted(tags)]
+        unacked = consumer.unacked
+        if not multiple:
+            return [unacked.pop(delivery_tag)]
+        tags = []
+        for tag in unacked:  # in delivery order: a consumer's delivery tags only grow (`_dispatch`)
+            if tag > delivery_tag:
+                break
+            tags.append(tag)
+        return [unacked.pop(t) for t in tags]
 
     def _requeue(self, ids: list[int], step: Step) -> None:
         limit = self.limits.delivery_limit

@@ -660,18 +660,10 @@ class ReplicaCore:
             if kind in _PLAIN_CHANGES:
                 # A transaction's changes are applied here together, within this one ring message.
                 changes: tuple[Any, ...] = report.changes if kind is Transaction else (report,)  # type: ignore[union-attr]
-                for change in changes:
-                    if logging:
-                        before = contents.persistent_changes
-                        contents.apply(change)
-                        if contents.persistent_changes != before:
-                            self._log_change_seq = seq
-                            if type(change) is Enqueue:
-                                enqueued.append(change.message)
-                            else:
-                                removed.extend(change.ids)
-                    else:
-                        contents.apply(change)
+                if not logging:
+                    contents.apply_changes(changes)
+                elif contents.apply_changes(changes, enqueued, removed):
+                    self._log_change_seq = seq
                 continue
             if kind in _MIRROR_SAYS:
                 continue  # said to the master, not by it
