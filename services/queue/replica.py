@@ -16,10 +16,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
+from operator import attrgetter
 
 import grpc
 
@@ -73,6 +75,8 @@ def _free_in_slices(table: MessageTable) -> None:
         loop.call_soon(_free_in_slices, table)
 
 
+# A delivery's consumer tag (a step's deliveries go to each consumer's stream a run at a time).
+_consumer_of = attrgetter("consumer")
 _QUIET_EVENTS = {"promoted", "recovered", "min_synchronised_restored", "disk_recovered"}
 
 
@@ -167,9 +171,7 @@ class QueueReplica:
         self._waiters.clear()
         self._open_window()
         for consumer in self.consumers.values():
-            while not consumer.deliveries.empty():  # not sent yet: the next master delivers them again
-                consumer.deliveries.get_nowait()
-            consumer.deliveries.put_nowait(None)
+            consumer.discard_unsent()  # not sent yet: the next master delivers them again
         for task in self._tasks:
             task.cancel()
         if self._timer is not None:
@@ -438,10 +440,10 @@ class QueueReplica:
         step = effect.step
         # Deliveries first: a waiting consumer's stream then writes before the publisher's confirm does
         # (both wake in this order), so the message reaches its consumer one stream write sooner.
-        for delivery in step.deliveries:
-            consumer = self.consumers.get(delivery.consumer)
+        for tag, deliveries in itertools.groupby(step.deliveries, key=_consumer_of):
+            consumer = self.consumers.get(tag)
             if consumer is not None:
-                consumer.deliveries.put_nowait(delivery)
+                consumer.deliveries.put_nowait(list(deliveries))
         if effect.confirmed:
             self._resolve(effect.step_id)
         if self.host.metrics is not None:

@@ -9,6 +9,7 @@ its log lives, the node's disk alarm, and hearing that the replica stopped (so t
 from __future__ import annotations
 
 import asyncio
+import collections
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
@@ -51,7 +52,17 @@ class ReplicaHost(Protocol):
 
 @dataclass
 class Consumer:
-    """A consumer's deliveries, in delivery order; None ends its stream."""
+    """A consumer's deliveries, in delivery order, a step's at a time (one queue item for each step that
+    delivered to it, not one for each message); None ends its stream."""
 
     tag: str
-    deliveries: asyncio.Queue[Delivery | None] = field(default_factory=asyncio.Queue)
+    deliveries: asyncio.Queue[list[Delivery] | None] = field(default_factory=asyncio.Queue)
+    # Taken off the queue by its Consume stream and not sent yet (the rest of a run over one response's caps).
+    taken: collections.deque[Delivery] = field(default_factory=collections.deque)
+
+    def discard_unsent(self) -> None:
+        """Drop every delivery not sent yet (the next master delivers them again) and end the stream."""
+        self.taken.clear()
+        while not self.deliveries.empty():
+            self.deliveries.get_nowait()
+        self.deliveries.put_nowait(None)

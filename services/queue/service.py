@@ -42,6 +42,7 @@ from services.queue.manager import QueueManager
 from services.queue.master import Delivery, PublishOutcome, QueueError, Settlement
 from services.queue.master import Publish as Outgoing
 from services.queue.replica import QueueReplica
+from services.queue.replica_host import Consumer
 from services.request_guard import Refused
 
 MAX_BODY_BYTES = 16 * 1024 * 1024
@@ -142,36 +143,43 @@ def _consume_response(batch: list[Delivery]) -> queue_pb2.ConsumeResponse:
 
 class _ReadyBatches:
     """A consumer's deliveries taken one Consume response at a time: the first ready one (waited for) and
-    whatever else is already queued behind it (never waited for), within the caps of one response."""
+    whatever else is already queued behind it (never waited for), within the caps of one response. The
+    queue holds them a step's run at a time (services/queue/replica_host.py `Consumer`)."""
 
-    def __init__(self, deliveries: asyncio.Queue[Delivery | None]) -> None:
-        self.deliveries = deliveries
-        self.held: Delivery | None = None  # taken, but over the last batch's byte budget: it opens the next
+    def __init__(self, consumer: Consumer) -> None:
+        self.deliveries = consumer.deliveries
+        self.taken = consumer.taken  # off the queue, not sent yet (cleared when the replica stops)
         self.ended = False  # the end marker (None) was taken
 
     async def next(self) -> list[Delivery]:
         """The next batch, in delivery order; empty once the end marker is reached (what came before it
         was in earlier batches)."""
-        if self.ended:
-            return []
-        first, self.held = self.held, None
-        if first is None:
-            first = await self.deliveries.get()
-            if first is None:
+        taken = self.taken
+        while not taken:
+            if self.ended:
+                return []
+            run = await self.deliveries.get()
+            if run is None:
                 self.ended = True
                 return []
+            taken.extend(run)
+        first = taken.popleft()
         batch = [first]
         size = len(first.message.body)
-        while len(batch) < MAX_DELIVERIES_PER_RESPONSE and not self.deliveries.empty():
-            ready = self.deliveries.get_nowait()
-            if ready is None:
-                self.ended = True
-                break
-            size += len(ready.message.body)
+        while len(batch) < MAX_DELIVERIES_PER_RESPONSE:
+            if not taken:
+                if self.ended or self.deliveries.empty():
+                    break
+                run = self.deliveries.get_nowait()
+                if run is None:
+                    self.ended = True
+                    break
+                taken.extend(run)
+                continue
+            size += len(taken[0].message.body)
             if size > MAX_RESPONSE_BODY_BYTES:
-                self.held = ready
-                break
-            batch.append(ready)
+                break  # it opens the next batch
+            batch.append(taken.popleft())
         return batch
 
 
@@ -602,7 +610,7 @@ class QueueServicer(queue_pb2_grpc.QueueServiceServicer):
             consumer.deliveries.put_nowait(None)
 
         settler = asyncio.ensure_future(settle_from_stream())
-        batches = _ReadyBatches(consumer.deliveries)
+        batches = _ReadyBatches(consumer)
         try:
             while (batch := await batches.next()) and not half_closed.is_set():
                 yield _consume_response(batch)
