@@ -191,7 +191,7 @@ async def _read_group(
     events: asyncio.Queue[stream_pb2.ConsumeStreamResponse | _Ended] = asyncio.Queue()
 
     async def forward_deliveries() -> None:
-        batches = _ReadyBatches(consumer.deliveries)
+        batches = _ReadyBatches(consumer)
         while batch := await batches.next():
             out = [delivery(group, d) for d in batch]
             copies = [d.delivery_tag for d in out if d.stream_seq <= consumed_through]
