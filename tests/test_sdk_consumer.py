@@ -17,6 +17,15 @@ def _delivery(consumer: aio.Consumer, tag: int, seq: int, redelivered: bool, str
     return aio.Delivery(message, "q", consumer, stream)
 
 
+def _received(consumer: aio.Consumer, count: int) -> tuple[aio._Stream, list[aio.Delivery]]:
+    """`count` deliveries (tags and seqs 1, 2, ...) received on a first stream, none settled yet."""
+    stream = consumer._stream = aio._Stream(1)
+    deliveries = [_delivery(consumer, tag, tag, False, 1) for tag in range(1, count + 1)]
+    for delivery in deliveries:
+        consumer._already_acked(stream, delivery)
+    return stream, deliveries
+
+
 def test_redeliveries_of_acknowledged_messages_are_acked_again_not_handed_over() -> None:
     async def scenario() -> None:
         connection = aio.Connection("127.0.0.1:1")  # never dialled
@@ -43,10 +52,7 @@ def test_multiple_acks_are_remembered_and_memory_is_bounded() -> None:
     async def scenario() -> None:
         connection = aio.Connection("127.0.0.1:1")
         consumer = connection.consumer("q")
-        stream = consumer._stream = aio._Stream(1)
-        deliveries = [_delivery(consumer, tag, tag, False, 1) for tag in range(1, 6)]
-        for delivery in deliveries:
-            consumer._already_acked(stream, delivery)
+        stream, deliveries = _received(consumer, 5)
         assert deliveries[3].ack(multiple=True)  # tags 1..4
         assert list(consumer._acked) == [("p", 1), ("p", 2), ("p", 3), ("p", 4)]
         assert list(stream.unsettled) == [5]
@@ -65,10 +71,7 @@ def test_a_multiple_ack_settles_what_is_unsettled_up_to_its_tag_and_no_further()
     async def scenario() -> None:
         connection = aio.Connection("127.0.0.1:1")
         consumer = connection.consumer("q")
-        stream = consumer._stream = aio._Stream(1)
-        deliveries = [_delivery(consumer, tag, tag, False, 1) for tag in range(1, 8)]
-        for delivery in deliveries:
-            consumer._already_acked(stream, delivery)
+        stream, deliveries = _received(consumer, 7)
         assert deliveries[2].ack()  # tag 3 alone, ahead of the others
         assert deliveries[3].nack(requeue=True, multiple=True)  # tags 1, 2 and 4: requeued, not remembered
         assert list(consumer._acked) == [("p", 3)]
