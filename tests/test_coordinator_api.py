@@ -25,12 +25,20 @@ Stub = coordinator_pb2_grpc.CoordinatorServiceStub
 AdminStub = admin_pb2_grpc.AdminServiceStub
 
 
-def run(tmp_path: Path, scenario: Callable[[Any, Any], Awaitable[None]]) -> None:
+# How long a node counts as alive after its last heartbeat, in scenarios that need it alive throughout: long,
+# so that a slow moment of the machine cannot make a node dead in the middle (a CI run once spent over 2 s
+# between a heartbeat and the policy it set, and the policy then had no live node to mirror to).
+ALIVE_THROUGHOUT_MS = 60_000
+
+
+def run(
+    tmp_path: Path, scenario: Callable[[Any, Any], Awaitable[None]], liveness_ms: int = ALIVE_THROUGHOUT_MS
+) -> None:
     """`scenario(stub, admin)`: the coordinator's CoordinatorService and AdminService stubs."""
 
     async def main() -> None:
         store = SqliteStore(str(tmp_path / "coordinator.db"))
-        server, port = await create_server("127.0.0.1:0", store, liveness_ms=2000)
+        server, port = await create_server("127.0.0.1:0", store, liveness_ms=liveness_ms)
         try:
             async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
                 await scenario(Stub(channel), AdminStub(channel))
@@ -262,6 +270,7 @@ def test_forget_node_removes_a_dead_node_and_the_queues_that_lived_only_on_it(tm
         for name, master in (("solo", "n2"), ("pair", "n1"), ("other", "n1")):
             request = coordinator_pb2.DeclareQueueRequest(name=name, preferred_master=master)
             await stub.DeclareQueue(request)
+        await stub.NodeHeartbeat(coordinator_pb2.NodeHeartbeatRequest(node="n2"))  # alive for 2 s from here
         code, message = await _code(admin.ForgetNode(cluster_pb2.ForgetNodeRequest(node="n2")))
         assert code == grpc.StatusCode.FAILED_PRECONDITION and "alive" in message
         code, _ = await _code(admin.ForgetNode(cluster_pb2.ForgetNodeRequest(node="nobody")))
@@ -282,4 +291,4 @@ def test_forget_node_removes_a_dead_node_and_the_queues_that_lived_only_on_it(tm
         status = await admin.ClusterStatus(cluster_pb2.ClusterStatusRequest())
         assert [node.node for node in status.nodes] == ["n1"]
 
-    run(tmp_path, scenario)
+    run(tmp_path, scenario, liveness_ms=2000)  # n2 must go dead within the test
