@@ -6,6 +6,7 @@ from collections.abc import Generator, Iterator
 
 import pytest
 
+from ringq import _fork_safety  # noqa: F401  (before any test module imports grpc: see that module)
 from tests.sim import parallel
 from tests.zookeeper import SETUP_HINT, ZooKeeperServer, unavailable_reason
 

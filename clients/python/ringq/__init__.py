@@ -8,7 +8,11 @@ coordinator. Results are `ringq.models` dataclasses, failures
 `ringq.errors.RingqError`s. `ringq.v1` holds the code generated from protos/.
 """
 
-from ringq import errors, models
+from ringq import (
+    _fork_safety,  # noqa: F401  (first: before anything imports grpc)
+    errors,
+    models,
+)
 from ringq._version import __version__ as __version__
 from ringq.aio import Delivery, Outcome
 from ringq.blocking import Admin, Connection, Consumer, Producer, StreamConsumer, StreamProducer
