@@ -22,7 +22,7 @@ from services.coordinator.group_table import (
     Outcome,
 )
 from services.coordinator.metadata import QueueRecord
-from services.coordinator.server import create_server
+from services.coordinator.server import create_server, stop_upkeep
 from services.coordinator.sqlite_store import SqliteStore
 
 A, B, C = GroupMember("a", "n1"), GroupMember("b", "n2"), GroupMember("c", "n3")
@@ -40,6 +40,7 @@ def run_against_server(tmp_path: Path, scenario: Scenario) -> None:
                 await scenario(client)
         finally:
             await server.stop(None)
+            await stop_upkeep()
             store.close()
 
     asyncio.run(main())
@@ -136,6 +137,7 @@ def test_client_waits_for_the_coordinator_to_come_up(tmp_path: Path) -> None:
                 assert time.monotonic() - started < 5
             finally:
                 await server.stop(None)
+                await stop_upkeep()
         store.close()
 
     asyncio.run(main())
@@ -175,6 +177,7 @@ def test_a_vhost_holds_at_most_max_queues_per_vhost(tmp_path: Path) -> None:
         finally:
             await client.close()
             await server.stop(None)
+            await stop_upkeep()
             store.close()
 
     asyncio.run(main())

@@ -77,6 +77,35 @@ def test_policies_apply_live_to_existing_queues() -> None:
         metadata.clear_policy(store, "/", "all", NODES)
 
 
+def test_a_policy_change_counts_the_queues_it_changed_even_when_another_pass_applied_it_first() -> None:
+    """Found in CI: SetPolicy answered queues_changed=0 for a queue it had mirrored, because the placement
+    loop's pass read the new policy and rewrote the record before SetPolicy's own pass ran. The count
+    compares each queue with how it stood before the change was stored, not with what one pass wrote."""
+    store = MemoryStore()
+    _declare(store, "ha.q")
+    _declare(store, "plain")
+    before = metadata.policy_outcomes(store)
+    metadata.save_policy(store, Policy("/", "all", "^ha\\.", {"ha-mode": "all"}))
+    assert metadata.apply_policies(store, "", NODES) == 1  # the placement loop's pass, first
+    after = metadata.place_queues(store, "", NODES).queues  # the policy change's own pass writes nothing
+    assert metadata.apply_policies(store, "", NODES) == 0
+    assert metadata.queues_changed(before, after) == 1
+    before = metadata.policy_outcomes(store)
+    metadata.delete_policy(store, "/", "all")
+    metadata.apply_policies(store, "", NODES)
+    assert metadata.queues_changed(before, metadata.place_queues(store, "", NODES).queues) == 1
+    assert metadata.get_queue(store, "/", "ha.q").mirrors == ()
+
+
+def test_a_queue_declared_during_a_policy_change_is_not_counted_as_changed() -> None:
+    store = MemoryStore()
+    before = metadata.policy_outcomes(store)
+    _, changed = metadata.set_policy(store, Policy("/", "all", "^ha\\.", {"ha-mode": "all"}), NODES)
+    _declare(store, "ha.new")
+    assert changed == 0
+    assert metadata.queues_changed(before, metadata.place_queues(store, "", NODES).queues) == 0
+
+
 def test_a_queue_whose_master_is_not_live_keeps_its_placement() -> None:
     """The coordinator re-places queues when nodes come and go, but never picks a new master: the
     queue's replicas promote the eldest synchronised mirror (or recover from the log that knows most)."""

@@ -13,7 +13,7 @@ from services.coordinator.placement_passes import PlacementPasses
 
 def test_policy_changes_arriving_during_a_pass_share_the_next_one() -> None:
     async def scenario() -> None:
-        passes = PlacementPasses()
+        passes = PlacementPasses[int]()
         release, started = threading.Event(), threading.Event()
         runs: list[str] = []
 
@@ -42,7 +42,7 @@ def test_policy_changes_arriving_during_a_pass_share_the_next_one() -> None:
 
 def test_passes_never_overlap() -> None:
     async def scenario() -> None:
-        passes = PlacementPasses()
+        passes = PlacementPasses[int]()
         inside, most = 0, 0
         lock = threading.Lock()
 
@@ -65,7 +65,7 @@ def test_passes_never_overlap() -> None:
 
 def test_a_failed_pass_fails_every_change_sharing_it_and_the_next_change_runs_a_new_pass() -> None:
     async def scenario() -> None:
-        passes = PlacementPasses()
+        passes = PlacementPasses[int]()
         gate = threading.Event()
 
         def blocked() -> int:
@@ -92,7 +92,7 @@ def test_a_failed_pass_fails_every_change_sharing_it_and_the_next_change_runs_a_
 
 def test_a_caller_that_goes_away_does_not_stop_the_pass() -> None:
     async def scenario() -> None:
-        passes = PlacementPasses()
+        passes = PlacementPasses[int]()
         done = threading.Event()
 
         def work() -> int:

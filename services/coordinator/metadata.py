@@ -437,8 +437,28 @@ def place_queues(
 
 
 def apply_policies(store: Store, vhost: str, live_nodes: Sequence[str]) -> int:
-    """`place_queues` for policy changes; returns how many queues changed."""
+    """`place_queues` for policy changes; returns how many queues this pass wrote."""
     return len(place_queues(store, vhost, live_nodes).written)
+
+
+# What a policy change can change in a queue's record (its policy and its placement), by key.
+PolicyOutcomes = Mapping[str, tuple[object, ...]]
+
+
+def _policy_outcome(queue: QueueRecord) -> tuple[object, ...]:
+    return (queue.policy, dict(queue.policy_definition), queue.replication, queue.master, queue.mirrors)
+
+
+def policy_outcomes(store: Store) -> PolicyOutcomes:
+    """Every queue's policy and placement as they stand: read before a policy change is stored, so
+    that `queues_changed` counts the queues it changed, whichever pass applied it."""
+    return {queue.key: _policy_outcome(queue) for queue in list_queues(store)}
+
+
+def queues_changed(before: PolicyOutcomes, after: Mapping[str, QueueRecord]) -> int:
+    """How many queues of `before` stand in `after` with another policy or placement (a queue
+    declared or deleted in between is not counted)."""
+    return sum(1 for key, queue in after.items() if key in before and before[key] != _policy_outcome(queue))
 
 
 def _settle(
@@ -476,9 +496,11 @@ def list_policies(store: Store, vhost: str = "") -> list[Policy]:
 
 
 def set_policy(store: Store, policy: Policy, live_nodes: Sequence[str]) -> tuple[Policy, int]:
-    """Validate and store `policy` (PolicyError if invalid), then re-apply the vhost's policies."""
+    """Validate and store `policy` (PolicyError if invalid), then re-apply the vhost's policies;
+    returns the policy and how many queues changed."""
+    before = policy_outcomes(store)
     valid = save_policy(store, policy)
-    return valid, apply_policies(store, valid.vhost, live_nodes)
+    return valid, queues_changed(before, place_queues(store, valid.vhost, live_nodes).queues)
 
 
 def save_policy(store: Store, policy: Policy) -> Policy:
@@ -503,9 +525,11 @@ def save_policy(store: Store, policy: Policy) -> Policy:
 
 
 def clear_policy(store: Store, vhost: str, name: str, live_nodes: Sequence[str]) -> int:
-    """Delete a policy (NotFound if absent) and re-apply the vhost's others."""
+    """Delete a policy (NotFound if absent) and re-apply the vhost's others; returns how many
+    queues changed."""
+    before = policy_outcomes(store)
     delete_policy(store, vhost, name)
-    return apply_policies(store, vhost, live_nodes)
+    return queues_changed(before, place_queues(store, vhost, live_nodes).queues)
 
 
 def delete_policy(store: Store, vhost: str, name: str) -> None:

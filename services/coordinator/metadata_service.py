@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any, ParamSpec, TypeVar
 
 import grpc
@@ -111,6 +111,10 @@ async def act_for(context: _Context, node: str) -> None:
         await context.abort(grpc.StatusCode.PERMISSION_DENIED, problem)
 
 
+# The coordinator's placement passes: a policy pass returns every queue as the pass left it.
+PolicyPasses = PlacementPasses[Mapping[str, QueueRecord]]
+
+
 class MetadataRpcs:
     """The metadata RPCs of CoordinatorService and AdminService; needs `_store`, `_feed`, `_liveness_ms`,
     `_load_cache` and `_passes`."""
@@ -119,7 +123,7 @@ class MetadataRpcs:
     _feed: ChangeFeed
     _liveness_ms: int
     _load_cache: metadata.ReplicaLoadCache
-    _passes: PlacementPasses
+    _passes: PolicyPasses
     _max_queues_per_vhost: int
 
     # ------------------------------------------------------------------ nodes
@@ -176,21 +180,23 @@ class MetadataRpcs:
     async def SetPolicy(
         self, request: cluster_pb2.SetPolicyRequest, context: _Context
     ) -> cluster_pb2.SetPolicyResponse:
-        def save() -> Policy:
-            return metadata.save_policy(self._store, policy_from_proto(request.policy))  # both may refuse it
+        def save() -> tuple[Policy, metadata.PolicyOutcomes]:
+            before = metadata.policy_outcomes(self._store)
+            return metadata.save_policy(self._store, policy_from_proto(request.policy)), before  # may refuse it
 
-        policy = await run_store(context, save)
-        changed = await self._apply_policies(context)
+        policy, before = await run_store(context, save)
+        changed = await self._apply_policies(context, before)
         return cluster_pb2.SetPolicyResponse(policy=policy_to_proto(policy), queues_changed=changed)
 
-    async def _apply_policies(self, context: _Context) -> int:
+    async def _apply_policies(self, context: _Context, before: metadata.PolicyOutcomes) -> int:
         """Re-apply the policies in a placement pass, shared with concurrent changes (so over every
-        vhost: the changes sharing it may be of several)."""
+        vhost: the changes sharing it may be of several); returns how many queues stand changed since
+        `before`, read before this call stored its change: the placement loop may have applied it first."""
 
-        def apply() -> int:
-            return metadata.apply_policies(self._store, "", self._live_nodes())
+        def apply() -> Mapping[str, QueueRecord]:
+            return metadata.place_queues(self._store, "", self._live_nodes()).queues
 
-        return await mapped(context, self._passes.apply_policies(apply))
+        return metadata.queues_changed(before, await mapped(context, self._passes.apply_policies(apply)))
 
     async def ClearPolicy(
         self, request: cluster_pb2.ClearPolicyRequest, context: _Context
@@ -198,8 +204,14 @@ class MetadataRpcs:
         await require(context, name=request.name)
 
         vhost = request.vhost or "/"
-        await run_store(context, metadata.delete_policy, self._store, vhost, request.name)
-        return cluster_pb2.ClearPolicyResponse(queues_changed=await self._apply_policies(context))
+
+        def delete() -> metadata.PolicyOutcomes:
+            before = metadata.policy_outcomes(self._store)
+            metadata.delete_policy(self._store, vhost, request.name)
+            return before
+
+        before = await run_store(context, delete)
+        return cluster_pb2.ClearPolicyResponse(queues_changed=await self._apply_policies(context, before))
 
     async def ListPolicies(
         self, request: cluster_pb2.ListPoliciesRequest, context: _Context

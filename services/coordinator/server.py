@@ -11,7 +11,6 @@ event loop never blocks on SQLite or ZooKeeper. A store that cannot be reached
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import re
@@ -36,13 +35,13 @@ from services.coordinator.convert import (
     outcome_to_proto,
 )
 from services.coordinator.group_table import CreateGroup, GroupChange, actor_of, member_node
-from services.coordinator.metadata_service import COORDINATOR, MetadataRpcs, act_for, now_ms
-from services.coordinator.placement_passes import PlacementPasses
+from services.coordinator.metadata_service import COORDINATOR, MetadataRpcs, PolicyPasses, act_for, now_ms
 from services.coordinator.placement_trigger import PlacementTrigger, RecordChange
 from services.coordinator.sqlite_store import SqliteStore
 from services.coordinator.store import MAX_KEY_LENGTH, Store, StoreUnavailable
 from services.coordinator.stream_service import StreamRecordRpcs, keep_stream_lists
 from services.coordinator.watch import ChangeFeed, Resync
+from services.event_waits import event_or_timeout
 from services.health import Health
 from services.passwords import hash_password
 from services.request_guard import SERVER_OPTIONS as GUARDED_SERVER_OPTIONS
@@ -143,12 +142,12 @@ class CoordinatorServicer(
         store: Store,
         feed: ChangeFeed,
         liveness_ms: int = DEFAULT_LIVENESS_MS,
-        passes: PlacementPasses | None = None,
+        passes: PolicyPasses | None = None,
         max_queues_per_vhost: int = DEFAULT_MAX_QUEUES_PER_VHOST,
     ) -> None:
         self._max_queues_per_vhost = max_queues_per_vhost
         self._load_cache = metadata.ReplicaLoadCache()
-        self._passes = passes if passes is not None else PlacementPasses()
+        self._passes = passes if passes is not None else PolicyPasses()
         self._store = store
         self._feed = feed
         self._liveness_ms = liveness_ms
@@ -284,7 +283,7 @@ async def create_server(
         log.info("first start: made the vhost / and the administrator %r%s", user, only)
     feed = ChangeFeed(store)
     await feed.start()
-    passes = PlacementPasses()
+    passes = PolicyPasses()
     servicer = CoordinatorServicer(store, feed, liveness_ms, passes, max_queues_per_vhost)
     coordinator_pb2_grpc.add_CoordinatorServiceServicer_to_server(servicer, server)
     admin_pb2_grpc.add_AdminServiceServicer_to_server(servicer, server)
@@ -308,6 +307,18 @@ async def create_server(
 _background: set[asyncio.Future[None]] = set()
 
 
+async def stop_upkeep() -> None:
+    """Stop the upkeep `create_server` started in this event loop (registration, placement, stream
+    lists) and wait until it has: after the server stops, before its store closes (else the loops
+    meet a closed store and log errors until the loop ends)."""
+    loop = asyncio.get_running_loop()
+    tasks = [task for task in _background if task.get_loop() is loop]
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    _background.difference_update(tasks)
+
+
 async def _register_coordinator(store: Store, address: str, liveness_ms: int, health: Health) -> None:
     """Refresh this coordinator's registration a few times per liveness timeout; report SERVING while
     that reaches the store and NOT_SERVING while it cannot (ZooKeeper unreachable or without quorum)."""
@@ -322,7 +333,7 @@ async def _register_coordinator(store: Store, address: str, liveness_ms: int, he
         await asyncio.sleep(liveness_ms / 3000)
 
 
-async def _keep_queues_placed(store: Store, feed: ChangeFeed, liveness_ms: int, passes: PlacementPasses) -> None:
+async def _keep_queues_placed(store: Store, feed: ChangeFeed, liveness_ms: int, passes: PolicyPasses) -> None:
     """Policies applied live: re-place every queue when the placeable nodes change (a node joins,
     comes back, dies or drains), when queue records change (a master struck a mirror, a mirror was
     promoted), and when a struck node proves itself alive: services/coordinator/placement_trigger.py
@@ -336,8 +347,7 @@ async def _keep_queues_placed(store: Store, feed: ChangeFeed, liveness_ms: int, 
     _background.add(asyncio.ensure_future(_follow_queue_records(feed, trigger, woken, liveness_ms)))
     tick_seconds = liveness_ms / 3000
     while True:
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(woken.wait(), tick_seconds)
+        await event_or_timeout(woken, tick_seconds)
         woken.clear()
         try:
             elapsed_seconds = await _place_if_due(store, trigger, liveness_ms, passes)
@@ -351,7 +361,7 @@ async def _keep_queues_placed(store: Store, feed: ChangeFeed, liveness_ms: int, 
             await asyncio.sleep(min(elapsed_seconds, tick_seconds))
 
 
-async def _place_if_due(store: Store, trigger: PlacementTrigger, liveness_ms: int, passes: PlacementPasses) -> float:
+async def _place_if_due(store: Store, trigger: PlacementTrigger, liveness_ms: int, passes: PolicyPasses) -> float:
     """One placement pass if `trigger` says one is due; returns how long it took (0: none ran)."""
     nodes = await asyncio.to_thread(records.list_nodes, store)
     live = records.placeable(nodes, liveness_ms, now_ms())
@@ -459,6 +469,7 @@ async def serve(
                 await health.shutting_down()
             finally:
                 await server.stop(1.0)
+                await stop_upkeep()
         finally:
             store.close()
     finally:

@@ -30,6 +30,7 @@ from services.coordinator.store import Store, StoreUnavailable
 from services.coordinator.stream_groups import group_whole
 from services.coordinator.stream_records import StreamRecord
 from services.coordinator.watch import ChangeFeed
+from services.event_waits import event_or_timeout
 
 log = logging.getLogger("ringq.coordinator.streams")
 _Context = grpc.aio.ServicerContext[Any, Any]
@@ -136,8 +137,7 @@ async def keep_stream_lists(store: Store, feed: ChangeFeed, liveness_ms: int) ->
     follower = asyncio.ensure_future(follow())
     try:
         while True:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(woken.wait(), liveness_ms / 3000)
+            await event_or_timeout(woken, liveness_ms / 3000)
             woken.clear()
             try:
                 await asyncio.to_thread(observe_groups, store, liveness_ms)

@@ -38,6 +38,7 @@ from services.coordinator.client import CoordinatorClient
 from services.coordinator.metadata import QueueRecord
 from services.coordinator.policies import MAX_TTL_MS
 from services.coordinator.stream_groups import STREAM_QUEUE_PREFIX, is_stream_group
+from services.event_waits import event_or_timeout
 from services.queue.manager import QueueManager
 from services.queue.master import Delivery, PublishOutcome, QueueError, Settlement
 from services.queue.master import Publish as Outgoing
@@ -236,8 +237,7 @@ class QueueServicer(queue_pb2_grpc.QueueServiceServicer):
             replica = self.manager.local(record.vhost, record.name) or await self.manager.ensure(record)
             if replica is not None and not replica.is_master:
                 # A new queue's master serves once it has joined its group and claimed its first term.
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(replica.serving.wait(), MASTER_STARTING_WAIT_S)
+                await event_or_timeout(replica.serving, MASTER_STARTING_WAIT_S)
             if replica is None or not replica.is_master:
                 raise Refused(grpc.StatusCode.UNAVAILABLE, f"queue {record.name!r}: its master is starting; retry")
             return replica, None, record
