@@ -120,6 +120,7 @@ lint-k8s: $(VENV)/.stamp-install
 
 lint: setup $(BUF) lint-k8s
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
 	$(BUF) lint
 	$(BUF) breaking --against $(PROTO_RELEASE)

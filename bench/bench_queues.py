@@ -512,7 +512,6 @@ def _say(side: str) -> Callable[[str], None]:
     return lambda message: print(f"[{side}] {message}", file=sys.stderr, flush=True)
 
 
-
 class _StopOnSignal:
     """SIGINT and SIGTERM raise KeyboardInterrupt at once and are remembered.
 

@@ -682,7 +682,6 @@ def _load(load: tuple[float, float, float]) -> str:
     return " ".join(f"{x:.2f}" for x in load)
 
 
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.bench_streams", description=__doc__.split("\n\n")[0])
     parser.add_argument("--runs", type=int, default=3, help="repeats of every system's runs (default 3)")

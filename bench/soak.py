@@ -544,7 +544,6 @@ def _progress_line(s: Sample) -> str:
 # --- main -------------------------------------------------------------------------------------------
 
 
-
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.soak", description=__doc__.split("\n\n")[0])
     parser.add_argument("--minutes", type=float, default=MINUTES, help="how long the producer runs (default 30)")
