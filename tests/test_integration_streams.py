@@ -261,7 +261,7 @@ async def _a_paused_producer_past_its_lease_is_refused(four: cluster.ClusterInfo
             await _log_has(log, "confirmed", 50)
             old.send_signal(signal.SIGSTOP)
             sent_before_pause = max(int(s[0]) for s in _lines(log, "sent"))
-            standby = await conn.stream_producer("s4", lease_ttl_ms=1000)  # waits out the paused one's lease
+            standby = await conn.stream_producer("s4")  # waits out the paused one's lease
             old_token = int(_lines(log, "token")[0][0])
             assert standby.fencing_token > old_token
             new = [await standby.publish(f"n{i}".encode()) for i in range(100)]
@@ -300,7 +300,9 @@ async def _consumer_failover_resumes_after_the_last_acknowledged(four: cluster.C
             old.wait()
         acked = {int(s[0]) for s in _lines(log, "acked")}
         old_got = [int(s[0]) for s in _lines(log, "got")]
-        standby = await conn.stream_consumer("s5", prefetch=100, lease_ttl_ms=1000)
+        # The default lease (3 s, renewed every second): a CI run once stalled this process for longer than a
+        # 1 s lease allows, and the consumer lost its lease half way through.
+        standby = await conn.stream_consumer("s5", prefetch=100)
         new: list[tuple[int, bool]] = []
         try:
             while not set(confirmed) <= acked | {seq for seq, _ in new}:
