@@ -554,9 +554,9 @@ class Producer:
 
     def _request(self, seqs: list[int]) -> queue_pb2.PublishRequest:
         """A request of the messages of `seqs` still unconfirmed. Building them in place (`messages.add`) costs
-        half as much CPU, but make bench's W2 rate fell with it and the brokers' CPU per message rose (branch
-        experiment/producer-requests-in-place; docs/benchmarks.md, fourteenth update): it waits until that is
-        understood."""
+        half as much CPU, but make bench's W2 rate was lower with it in 6 of 9 pairs (branch
+        experiment/producer-requests-in-place; docs/benchmarks.md, fourteenth update): it waits for an A/B
+        that settles it."""
         unconfirmed = self._unconfirmed
         messages = [self._message(seq, unconfirmed[seq]) for seq in seqs if seq in unconfirmed]
         return queue_pb2.PublishRequest(
