@@ -553,22 +553,20 @@ class Producer:
             call.cancel()
 
     def _request(self, seqs: list[int]) -> queue_pb2.PublishRequest:
-        """A request of the messages of `seqs` still unconfirmed. Building them in place (`messages.add`) costs
-        half as much CPU, but make bench's W2 rate was lower with it in 6 of 9 pairs (branch
-        experiment/producer-requests-in-place; docs/benchmarks.md, fourteenth update): it waits for an A/B
-        that settles it."""
+        """A request of the messages of `seqs` still unconfirmed, built in place: a message built on its own and
+        then copied into the request took twice as long (1.0 against 0.5 us for a 256-byte body). make bench's
+        W1 and W2 were not lower with it in 12 pairs taken in ABBA order (docs/benchmarks.md, fifteenth update)."""
+        request = queue_pb2.PublishRequest(queue=self.connection.ref(self.queue), publisher=self.publisher_id)
+        add = request.messages.add
         unconfirmed = self._unconfirmed
-        messages = [self._message(seq, unconfirmed[seq]) for seq in seqs if seq in unconfirmed]
-        return queue_pb2.PublishRequest(
-            queue=self.connection.ref(self.queue), publisher=self.publisher_id, messages=messages
-        )
-
-    @staticmethod
-    def _message(seq: int, pending: _Pending) -> queue_pb2.OutgoingMessage:
-        message = queue_pb2.OutgoingMessage(body=pending.body, seq=seq, persistent=pending.persistent)
-        if pending.headers:  # an empty map passed as an argument costs twice the rest of the message
-            message.headers.update(pending.headers)
-        return message
+        for seq in seqs:
+            pending = unconfirmed.get(seq)
+            if pending is None:
+                continue
+            message = add(body=pending.body, seq=seq, persistent=pending.persistent)
+            if pending.headers:  # an empty map passed as an argument costs twice the rest of the message
+                message.headers.update(pending.headers)
+        return request
 
     def _settled(self, seq: int, outcome: Outcome) -> None:
         pending = self._unconfirmed.pop(seq, None)
