@@ -386,6 +386,58 @@ def test_a_mirror_that_knows_of_a_newer_master_does_not_try_to_promote() -> None
     assert driven.core.role is Role.MIRROR and driven.record.master == "node3"
 
 
+def test_a_mirror_takes_over_from_a_newer_master_that_died_before_any_of_its_reports_came() -> None:
+    """Found by the simulator (seed 11003439): node3 was promoted, a link cut kept its reports from node2, and
+    node3 crashed. node2 still followed the old epoch, and the record named a master it would never hear:
+    the queue waited, with a live synchronised mirror, until node3's node came back and recovered from its
+    log (or for good, had it not come back)."""
+    driven = mirror_of(durable=False, mirrors=("node3", "node2"), synchronised_mirrors=("node3", "node2"))
+    driven.run(driven.core.on_members_changed(["node3.c"], [], 0))
+    driven.run(driven.core.on_members_changed([], ["node1.a"], 0))  # node3, the eldest, promotes itself
+    driven.set_record(master="node3", master_epoch=2, mirrors=("node2",), synchronised_mirrors=("node2",))
+    assert role(driven) is Role.MIRROR, "node3 serves: node2 waits to hear it"
+    driven.run(driven.core.on_members_changed([], ["node3.c"], 0))
+    assert role(driven) is Role.MASTER and driven.record.master == "node2"
+    assert driven.record.master_epoch == 3
+
+
+def test_a_mirror_whose_promotion_lost_to_a_master_already_dead_takes_over_from_it() -> None:
+    """The same, with the record late: node2 saw node1 and then node3 die, and asked to take over from
+    node1's epoch; the compare-and-set answered that node3 had taken the queue meanwhile (and node3 is
+    dead)."""
+    driven = mirror_of(durable=False, mirrors=("node3", "node2"), synchronised_mirrors=("node3", "node2"))
+    driven.run(driven.core.on_members_changed(["node3.c"], [], 0))
+    driven.run(driven.core.on_members_changed([], ["node1.a"], 0))  # node3, the eldest, promotes itself
+    driven.record = dataclasses.replace(  # the coordinator has it; node2 has not heard yet
+        driven.record,
+        master="node3",
+        master_epoch=2,
+        mirrors=("node2",),
+        synchronised_mirrors=("node2",),
+        version=driven.record.version + 1,
+    )
+    driven.run(driven.core.on_members_changed([], ["node3.c"], 0))
+    assert role(driven) is Role.MASTER and driven.record.master == "node2"
+    assert driven.record.master_epoch == 3
+
+
+def test_a_mirror_does_not_take_over_from_a_newer_master_whose_node_has_a_live_member() -> None:
+    """A restarted node's new member serves (it recovered from its log): the death of its old member is no
+    reason to take the queue from it."""
+    driven = mirror_of(durable=False, mirrors=("node3", "node2"), synchronised_mirrors=("node3", "node2"))
+    driven.run(driven.core.on_members_changed(["node3.c"], [], 0))
+    driven.run(driven.core.on_members_changed(["node3.d"], ["node3.c"], 0))
+    effects = driven.core.on_record(
+        dataclasses.replace(
+            driven.record, master="node3", master_epoch=2, mirrors=("node2",), version=driven.record.version + 1
+        ),
+        0,
+    )
+    assert not [e for e in effects if isinstance(e, UpdateRecord)]
+    driven.run(effects)
+    assert role(driven) is Role.MIRROR
+
+
 def test_a_master_that_stops_answers_every_step_that_waited() -> None:
     """Found by the partition test: a persistent publish waiting for the mirrors' disks was never
     answered when the master's member stopped."""

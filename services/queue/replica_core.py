@@ -61,6 +61,13 @@ The hard cases
    master's first broadcast (a listed mirror flushes when it first hears a new master, then says
    Persisted). A listed mirror whose disk failed says Desynchronised again to the new master, which
    strikes it, or the confirms would wait for that disk.
+8. A promoted master may die before any report of its epoch reaches a mirror (a link cut, then its
+   crash): the mirrors still follow the old epoch, and the record names a master none of them will
+   hear. A mirror that sees the recorded master's node without a live member after one of its members
+   died looks again, and the eldest live synchronised mirror takes over from the recorded epoch.
+   Nothing of the dead master's epoch can be missing from it: whatever that master confirmed or
+   delivered went round the ring, through this mirror, and so would have brought its epoch here. (Before,
+   the queue waited until the dead master's node came back and recovered from its log.)
 
 Invariants (checked by tests/sim after every step)
 --------------------------------------------------
@@ -446,7 +453,8 @@ class ReplicaCore:
         self.recovery_recheck_ms = 0
         self._taking_over = False
         self._take_from_epoch = 0  # the record's epoch when this replica tried to take the queue
-        self._promoting = False
+        self._promoting_from: int | None = None  # the record's epoch this mirror asked to take over from
+        self._dead_nodes: set[str] = set()  # nodes this replica saw a member of die
         self._keep_existing_log = False  # a mirror that kept its log appends to it once synchronised
         self._next_step_id = 1
         self._started_ms = now_ms
@@ -568,6 +576,7 @@ class ReplicaCore:
     def on_members_changed(self, births: Sequence[str], deaths: Sequence[str], now_ms: int) -> list[Effect]:
         self.live |= set(births)
         self.live -= set(deaths)
+        self._dead_nodes |= {node_of(dead) for dead in deaths}
         effects: list[Effect] = []
         if self.role is Role.MASTER:
             assert self.master is not None
@@ -794,11 +803,14 @@ class ReplicaCore:
                 return effects + self._follow_new_master(now_ms)
             return effects + self._recover_if_due(now_ms)
         if self.role is Role.MIRROR:
-            if self._promoting and record.master == self.node and record.master_epoch == self.epoch + 1:
+            promoting_from = self._promoting_from
+            if promoting_from is not None and record.master == self.node and record.master_epoch == promoting_from + 1:
                 return effects + self._become_master_by_promotion(now_ms)
             if record.master_epoch > self.epoch and record.master != self.node:
-                self._promoting = False
+                self._promoting_from = None
             effects += self._announce_if_unmarked(previous)
+            if record.master_epoch > previous.master_epoch and self._recorded_master_died_unheard():
+                effects += self._promote_if_eldest(now_ms)  # it died before this record came (hard case 8)
         return effects
 
     def _announce_if_unmarked(self, previous: QueueRecord) -> list[Effect]:
@@ -1407,7 +1419,7 @@ class ReplicaCore:
         record = self.record
         mirror = self.mirror
         assert mirror is not None
-        if record.master_epoch != self.epoch:
+        if record.master_epoch != self.epoch and not self._recorded_master_died_unheard():
             return []  # a newer master is recorded already: this mirror follows it once it hears it
         live = self.live_nodes()
         candidates = [m for m in record.mirrors if m in record.synchronised_mirrors and m in live]
@@ -1425,7 +1437,7 @@ class ReplicaCore:
         if not mirror.synchronised and not promote_unsynchronised:
             self.unavailable = "this mirror is not synchronised (ha-promote-on-failure is when-synced)"
             return self._event(now_ms, "unavailable", self.unavailable)
-        old_master, epoch, me = record.master, self.epoch, self.node
+        old_master, epoch, me = record.master, record.master_epoch, self.node
 
         def promote(current: QueueRecord) -> QueueRecord | None:
             if current.master != old_master or current.master_epoch != epoch:
@@ -1441,13 +1453,25 @@ class ReplicaCore:
                 recovery_positions={},
             )
 
-        self._promoting = True
+        self._promoting_from = epoch
         return [UpdateRecord(promote, f"promote the mirror on {me} (the master on {old_master} died)")]
+
+    def _recorded_master_died_unheard(self) -> bool:
+        """The record names a newer master than the one this mirror follows, this mirror never heard it (no
+        report of its epoch came), and its node has no live member since one of its members died: it died
+        before its first report came round the ring (hard case 8)."""
+        record = self.record
+        return (
+            record.master_epoch > self.epoch
+            and record.master != self.node
+            and record.master in self._dead_nodes
+            and record.master not in self.live_nodes()
+        )
 
     def _become_master_by_promotion(self, now_ms: int) -> list[Effect]:
         mirror = self.mirror
         assert mirror is not None
-        self._promoting = False
+        self._promoting_from = None
         self.epoch = self.record.master_epoch
         synchronised = mirror.synchronised
         core, step = mirror.promote(self.limits, self.epoch)
