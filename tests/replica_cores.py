@@ -134,10 +134,18 @@ def fresh_master(
     return driven
 
 
-def mirror_of(master_member: str = "node1.a", *, durable: bool = True, epoch: int = 1, **changes: Any) -> Driven:
-    """node2 mirrors a queue whose master (`master_member`, epoch `epoch`) serves and is heard."""
+def mirror_of(
+    master_member: str = "node1.a",
+    *,
+    durable: bool = True,
+    epoch: int = 1,
+    members: Sequence[str] = (),
+    **changes: Any,
+) -> Driven:
+    """node2 mirrors a queue whose master (`master_member`, epoch `epoch`) serves and is heard; `members`,
+    other mirrors' members, were in the group when node2 joined."""
     driven = Driven("node2", record(durable=durable, master_epoch=epoch, **changes))
-    driven.run(driven.core.on_joined("node2.b", [master_member, "node2.b"], 0))
+    driven.run(driven.core.on_joined("node2.b", [master_member, "node2.b", *members], 0))
     driven.reports(master_member, 1, Depth(0, epoch))
     assert driven.core.role is Role.MIRROR, driven.core.status()
     return driven

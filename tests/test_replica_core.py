@@ -261,13 +261,12 @@ def test_a_wiring_mirror_that_joined_before_its_master_announces_itself_when_it_
 def test_a_mirror_tells_a_promoted_master_how_far_its_disk_goes_in_that_masters_numbers() -> None:
     """Found by the failover test: a promoted master numbers its reports afresh; a mirror that only said
     Persisted above the last number it had said left the new master's confirms waiting for ever."""
-    driven = mirror_of(synchronised_mirrors=("node2", "node3"), mirrors=("node3", "node2"))
+    driven = mirror_of(members=("node3.c",), synchronised_mirrors=("node2", "node3"), mirrors=("node3", "node2"))
     driven.reports("node1.a", 2, Depth(0, 1))
     driven.flush_all()
     driven.take(Broadcast)
     driven.reports("node1.a", 100, persistent(1))
     driven.flush_all()
-    driven.run(driven.core.on_members_changed(["node3.c"], [], 0))
     driven.run(driven.core.on_members_changed([], ["node1.a"], 0))  # node3, the eldest, promotes itself
     driven.set_record(master="node3", master_epoch=2, mirrors=("node2",), synchronised_mirrors=("node2",))
     driven.reports("node3.c", 3, persistent((2 << EPOCH_ID_SHIFT) + 1), Depth(2, 2))
@@ -280,8 +279,7 @@ def test_a_mirror_tells_a_promoted_master_how_far_its_disk_goes_in_that_masters_
 def promoted_mirror_with(message: Message) -> tuple[Driven, int]:
     """node2, the eldest of two synchronised mirrors (node3 the other), holds `message` from node1 and
     promotes itself when node1 dies; with the first sequence number of its broadcasts as master."""
-    driven = mirror_of(synchronised_mirrors=("node2", "node3"), mirrors=("node2", "node3"))
-    driven.run(driven.core.on_members_changed(["node3.c"], [], 0))
+    driven = mirror_of(members=("node3.c",), synchronised_mirrors=("node2", "node3"), mirrors=("node2", "node3"))
     driven.reports("node1.a", 2, Enqueue(message))
     driven.flush_all()
     driven.take(Broadcast)
@@ -327,9 +325,8 @@ def test_a_promoted_master_confirms_new_messages_and_transient_duplicates_as_bef
 
 
 def test_a_listed_mirror_tells_a_new_master_how_far_its_log_goes_even_if_nothing_new_is_logged() -> None:
-    driven = mirror_of(synchronised_mirrors=("node2", "node3"), mirrors=("node3", "node2"))
+    driven = mirror_of(members=("node3.c",), synchronised_mirrors=("node2", "node3"), mirrors=("node3", "node2"))
     driven.flush_all()
-    driven.run(driven.core.on_members_changed(["node3.c"], [], 0))
     driven.run(driven.core.on_members_changed([], ["node1.a"], 0))  # node3, the eldest, promotes itself
     driven.set_record(master="node3", master_epoch=2, mirrors=("node2",), synchronised_mirrors=("node2",))
     driven.take(Broadcast)
@@ -342,11 +339,10 @@ def test_a_listed_mirror_tells_a_new_master_how_far_its_log_goes_even_if_nothing
 def test_a_listed_mirror_whose_disk_failed_says_so_again_to_a_new_master() -> None:
     """Seed 7011531 again: the old master could not strike the mirror from the record before it died, so
     the new master would have held every persistent confirm until that disk wrote again."""
-    driven = mirror_of(synchronised_mirrors=("node2", "node3"), mirrors=("node3", "node2"))
+    driven = mirror_of(members=("node3.c",), synchronised_mirrors=("node2", "node3"), mirrors=("node3", "node2"))
     driven.flush_all()
     driven.run(driven.core.on_disk_failed("No space left on device", 0))
     assert Desynchronised("node2.b") in driven.said()
-    driven.run(driven.core.on_members_changed(["node3.c"], [], 0))
     driven.run(driven.core.on_members_changed([], ["node1.a"], 0))
     driven.set_record(master="node3", master_epoch=2, mirrors=("node2",), synchronised_mirrors=("node2",))
     driven.reports("node3.c", 3, Depth(0, 2))
@@ -367,8 +363,7 @@ def test_a_mirror_promotes_when_the_eldest_dies_after_the_master() -> None:
     """Found by the simulator (seed 19183): the master died while the eldest synchronised mirror's node
     was down but not yet recorded dead; when its death came, the others did not look again, and the
     queue waited for its old master's node to come back and recover, with two synchronised mirrors live."""
-    driven = mirror_of(durable=False, mirrors=("node3", "node2"), synchronised_mirrors=("node3", "node2"))
-    driven.run(driven.core.on_members_changed(["node3.c"], [], 0))
+    driven = mirror_of(members=("node3.c",), durable=False, mirrors=("node3", "node2"), synchronised_mirrors=("node3", "node2"))
     driven.run(driven.core.on_members_changed([], ["node1.a"], 0))
     assert driven.core.role is Role.MIRROR and driven.record.master == "node1", "node3 is the eldest"
     driven.run(driven.core.on_members_changed([], ["node3.c"], 0))
@@ -376,9 +371,30 @@ def test_a_mirror_promotes_when_the_eldest_dies_after_the_master() -> None:
     assert driven.record.master_epoch == 2
 
 
+def test_a_replica_restarted_on_a_listed_node_is_not_counted_as_its_synchronised_mirror() -> None:
+    """Found by the simulator (seed 15006834): node3, the eldest synchronised mirror, restarted; node2 saw
+    its new member born before it saw the master and node3's old member die. node2 counted node3 as live
+    through the new member, which was still looking for a master and held no claim to promote, and deferred
+    to it: the queue waited, with a live synchronised mirror, for the old master's node to recover."""
+    driven = mirror_of(members=("node3.c",), mirrors=("node3", "node2"), synchronised_mirrors=("node3", "node2"))
+    driven.run(driven.core.on_members_changed(["node3.d"], [], 0))
+    driven.run(driven.core.on_members_changed([], ["node1.a", "node3.c"], 0))
+    assert role(driven) is Role.MASTER and driven.record.master == "node2"
+    assert driven.record.mirrors == ("node3",), "the restarted replica stays a mirror"
+    assert driven.record.synchronised_mirrors == (), "but not a synchronised one: it has yet to say so"
+
+
+def test_a_replica_restarted_on_a_listed_node_counts_once_it_says_it_is_synchronised() -> None:
+    driven = mirror_of(members=("node3.c",), mirrors=("node3", "node2"), synchronised_mirrors=("node3", "node2"))
+    driven.run(driven.core.on_members_changed(["node3.d"], [], 0))
+    driven.reports("node3.d", 1, Synchronised("node3.d"))
+    effects = driven.core.on_members_changed([], ["node1.a", "node3.c"], 0)
+    assert not [e for e in effects if isinstance(e, UpdateRecord)], "node3 is the eldest and promotes"
+    assert role(driven) is Role.MIRROR
+
+
 def test_a_mirror_that_knows_of_a_newer_master_does_not_try_to_promote() -> None:
-    driven = mirror_of(durable=False, mirrors=("node2", "node3"), synchronised_mirrors=("node2", "node3"))
-    driven.run(driven.core.on_members_changed(["node3.c"], [], 0))
+    driven = mirror_of(members=("node3.c",), durable=False, mirrors=("node2", "node3"), synchronised_mirrors=("node2", "node3"))
     driven.set_record(master="node3", master_epoch=2, mirrors=("node2",))
     effects = driven.core.on_members_changed([], ["node1.a"], 0)
     assert not [e for e in effects if isinstance(e, UpdateRecord)], "no compare-and-set bound to fail"
@@ -391,8 +407,7 @@ def test_a_mirror_takes_over_from_a_newer_master_that_died_before_any_of_its_rep
     node3 crashed. node2 still followed the old epoch, and the record named a master it would never hear:
     the queue waited, with a live synchronised mirror, until node3's node came back and recovered from its
     log (or for good, had it not come back)."""
-    driven = mirror_of(durable=False, mirrors=("node3", "node2"), synchronised_mirrors=("node3", "node2"))
-    driven.run(driven.core.on_members_changed(["node3.c"], [], 0))
+    driven = mirror_of(members=("node3.c",), durable=False, mirrors=("node3", "node2"), synchronised_mirrors=("node3", "node2"))
     driven.run(driven.core.on_members_changed([], ["node1.a"], 0))  # node3, the eldest, promotes itself
     driven.set_record(master="node3", master_epoch=2, mirrors=("node2",), synchronised_mirrors=("node2",))
     assert role(driven) is Role.MIRROR, "node3 serves: node2 waits to hear it"
@@ -405,8 +420,7 @@ def test_a_mirror_whose_promotion_lost_to_a_master_already_dead_takes_over_from_
     """The same, with the record late: node2 saw node1 and then node3 die, and asked to take over from
     node1's epoch; the compare-and-set answered that node3 had taken the queue meanwhile (and node3 is
     dead)."""
-    driven = mirror_of(durable=False, mirrors=("node3", "node2"), synchronised_mirrors=("node3", "node2"))
-    driven.run(driven.core.on_members_changed(["node3.c"], [], 0))
+    driven = mirror_of(members=("node3.c",), durable=False, mirrors=("node3", "node2"), synchronised_mirrors=("node3", "node2"))
     driven.run(driven.core.on_members_changed([], ["node1.a"], 0))  # node3, the eldest, promotes itself
     driven.record = dataclasses.replace(  # the coordinator has it; node2 has not heard yet
         driven.record,
@@ -424,8 +438,7 @@ def test_a_mirror_whose_promotion_lost_to_a_master_already_dead_takes_over_from_
 def test_a_mirror_does_not_take_over_from_a_newer_master_whose_node_has_a_live_member() -> None:
     """A restarted node's new member serves (it recovered from its log): the death of its old member is no
     reason to take the queue from it."""
-    driven = mirror_of(durable=False, mirrors=("node3", "node2"), synchronised_mirrors=("node3", "node2"))
-    driven.run(driven.core.on_members_changed(["node3.c"], [], 0))
+    driven = mirror_of(members=("node3.c",), durable=False, mirrors=("node3", "node2"), synchronised_mirrors=("node3", "node2"))
     driven.run(driven.core.on_members_changed(["node3.d"], ["node3.c"], 0))
     effects = driven.core.on_record(
         dataclasses.replace(

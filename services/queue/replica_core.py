@@ -68,6 +68,11 @@ The hard cases
    Nothing of the dead master's epoch can be missing from it: whatever that master confirmed or
    delivered went round the ring, through this mirror, and so would have brought its epoch here. (Before,
    the queue waited until the dead master's node came back and recovered from its log.)
+9. A listed synchronised node counts towards promotion only through the member that is its synchronised
+   mirror. A replica restarted on that node may join before the old member's death is seen (the record
+   still lists the node): it holds no claim to the queue and never promotes, so a mirror that deferred
+   to it would wait for good. A mirror counts a member born since it joined only once it heard it say
+   Synchronised, and a promotion lists such a node as a mirror but not as synchronised.
 
 Invariants (checked by tests/sim after every step)
 --------------------------------------------------
@@ -455,6 +460,9 @@ class ReplicaCore:
         self._take_from_epoch = 0  # the record's epoch when this replica tried to take the queue
         self._promoting_from: int | None = None  # the record's epoch this mirror asked to take over from
         self._dead_nodes: set[str] = set()  # nodes this replica saw a member of die
+        # Members born since this replica joined that it has not heard say Synchronised: a restarted
+        # replica on a node the record lists as synchronised is not that node's synchronised mirror.
+        self._unproven: set[str] = set()
         self._keep_existing_log = False  # a mirror that kept its log appends to it once synchronised
         self._next_step_id = 1
         self._started_ms = now_ms
@@ -577,6 +585,7 @@ class ReplicaCore:
         self.live |= set(births)
         self.live -= set(deaths)
         self._dead_nodes |= {node_of(dead) for dead in deaths}
+        self._unproven = (self._unproven | set(births)) & self.live
         effects: list[Effect] = []
         if self.role is Role.MASTER:
             assert self.master is not None
@@ -625,6 +634,8 @@ class ReplicaCore:
             if isinstance(report, SyncRequest | Synchronised | Desynchronised | Persisted | Noticed):
                 if self.role is Role.MASTER:
                     effects += self._from_mirror(report, now_ms)
+                elif isinstance(report, Synchronised):
+                    self._unproven.discard(report.member)
                 continue
             if isinstance(report, Undecodable) and (self.role is not Role.MIRROR or publisher != self.master_member):
                 continue  # it might be a mirror's: only the master this mirror follows is heard unread
@@ -1422,7 +1433,10 @@ class ReplicaCore:
         if record.master_epoch != self.epoch and not self._recorded_master_died_unheard():
             return []  # a newer master is recorded already: this mirror follows it once it hears it
         live = self.live_nodes()
-        candidates = [m for m in record.mirrors if m in record.synchronised_mirrors and m in live]
+        # A listed synchronised node counts only through a member that is its synchronised mirror, not a
+        # replica restarted there since (hard case 9): that one holds no claim to the queue.
+        proven = {node_of(member) for member in self.live - self._unproven}
+        candidates = [m for m in record.mirrors if m in record.synchronised_mirrors and m in proven]
         promote_unsynchronised = (
             record.policy_definition.get("ha-promote-on-failure", "when-synced") == "always"
             or not self.replicates_messages
@@ -1443,7 +1457,7 @@ class ReplicaCore:
             if current.master != old_master or current.master_epoch != epoch:
                 return None
             mirrors = tuple(m for m in current.mirrors if m != me and m in live)
-            synchronised = tuple(m for m in current.synchronised_mirrors if m in mirrors)
+            synchronised = tuple(m for m in current.synchronised_mirrors if m in mirrors and m in proven)
             return replace(
                 current,
                 master=me,
