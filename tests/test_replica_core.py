@@ -8,7 +8,7 @@ import dataclasses
 
 import pytest
 
-from services.queue.durability import Claim, Position
+from services.queue.durability import Claim, Position, elect
 from services.queue.master import EPOCH_ID_SHIFT, Publish, PublishOutcome, QueueError, Settlement
 from services.queue.ops import (
     Depth,
@@ -19,6 +19,8 @@ from services.queue.ops import (
     Persisted,
     Settle,
     Synchronised,
+    SyncBatch,
+    SyncDone,
     SyncRequest,
     Transaction,
     Undecodable,
@@ -363,7 +365,9 @@ def test_a_mirror_promotes_when_the_eldest_dies_after_the_master() -> None:
     """Found by the simulator (seed 19183): the master died while the eldest synchronised mirror's node
     was down but not yet recorded dead; when its death came, the others did not look again, and the
     queue waited for its old master's node to come back and recover, with two synchronised mirrors live."""
-    driven = mirror_of(members=("node3.c",), durable=False, mirrors=("node3", "node2"), synchronised_mirrors=("node3", "node2"))
+    driven = mirror_of(
+        members=("node3.c",), durable=False, mirrors=("node3", "node2"), synchronised_mirrors=("node3", "node2")
+    )
     driven.run(driven.core.on_members_changed([], ["node1.a"], 0))
     assert driven.core.role is Role.MIRROR and driven.record.master == "node1", "node3 is the eldest"
     driven.run(driven.core.on_members_changed([], ["node3.c"], 0))
@@ -394,7 +398,9 @@ def test_a_replica_restarted_on_a_listed_node_counts_once_it_says_it_is_synchron
 
 
 def test_a_mirror_that_knows_of_a_newer_master_does_not_try_to_promote() -> None:
-    driven = mirror_of(members=("node3.c",), durable=False, mirrors=("node2", "node3"), synchronised_mirrors=("node2", "node3"))
+    driven = mirror_of(
+        members=("node3.c",), durable=False, mirrors=("node2", "node3"), synchronised_mirrors=("node2", "node3")
+    )
     driven.set_record(master="node3", master_epoch=2, mirrors=("node2",))
     effects = driven.core.on_members_changed([], ["node1.a"], 0)
     assert not [e for e in effects if isinstance(e, UpdateRecord)], "no compare-and-set bound to fail"
@@ -407,7 +413,9 @@ def test_a_mirror_takes_over_from_a_newer_master_that_died_before_any_of_its_rep
     node3 crashed. node2 still followed the old epoch, and the record named a master it would never hear:
     the queue waited, with a live synchronised mirror, until node3's node came back and recovered from its
     log (or for good, had it not come back)."""
-    driven = mirror_of(members=("node3.c",), durable=False, mirrors=("node3", "node2"), synchronised_mirrors=("node3", "node2"))
+    driven = mirror_of(
+        members=("node3.c",), durable=False, mirrors=("node3", "node2"), synchronised_mirrors=("node3", "node2")
+    )
     driven.run(driven.core.on_members_changed([], ["node1.a"], 0))  # node3, the eldest, promotes itself
     driven.set_record(master="node3", master_epoch=2, mirrors=("node2",), synchronised_mirrors=("node2",))
     assert role(driven) is Role.MIRROR, "node3 serves: node2 waits to hear it"
@@ -420,7 +428,9 @@ def test_a_mirror_whose_promotion_lost_to_a_master_already_dead_takes_over_from_
     """The same, with the record late: node2 saw node1 and then node3 die, and asked to take over from
     node1's epoch; the compare-and-set answered that node3 had taken the queue meanwhile (and node3 is
     dead)."""
-    driven = mirror_of(members=("node3.c",), durable=False, mirrors=("node3", "node2"), synchronised_mirrors=("node3", "node2"))
+    driven = mirror_of(
+        members=("node3.c",), durable=False, mirrors=("node3", "node2"), synchronised_mirrors=("node3", "node2")
+    )
     driven.run(driven.core.on_members_changed([], ["node1.a"], 0))  # node3, the eldest, promotes itself
     driven.record = dataclasses.replace(  # the coordinator has it; node2 has not heard yet
         driven.record,
@@ -438,7 +448,9 @@ def test_a_mirror_whose_promotion_lost_to_a_master_already_dead_takes_over_from_
 def test_a_mirror_does_not_take_over_from_a_newer_master_whose_node_has_a_live_member() -> None:
     """A restarted node's new member serves (it recovered from its log): the death of its old member is no
     reason to take the queue from it."""
-    driven = mirror_of(members=("node3.c",), durable=False, mirrors=("node3", "node2"), synchronised_mirrors=("node3", "node2"))
+    driven = mirror_of(
+        members=("node3.c",), durable=False, mirrors=("node3", "node2"), synchronised_mirrors=("node3", "node2")
+    )
     driven.run(driven.core.on_members_changed(["node3.d"], ["node3.c"], 0))
     effects = driven.core.on_record(
         dataclasses.replace(
@@ -688,6 +700,34 @@ def test_equal_logs_of_master_and_mirror_carry_equal_marks() -> None:
     mirror.reports("node1.a", first, *reports, Depth(1, 1))  # a depth report follows in the same batch
     marks = [a.position for a in mirror.take(AppendToLog) if a.position is not None]
     assert marks == [appended.position]
+
+
+def test_a_mirror_synchronised_by_a_sync_marks_its_log_at_the_report_it_became_synchronised_at() -> None:
+    """Found by the simulator (seeds 15000525, 17000192): a mirror that joined late held everything after its
+    sync, but its log's mark still named the last change it had seen (none: 1.0). Every node crashed, the
+    master's log lost its last flush (1.63, without the last two confirmed messages), and the election
+    preferred that shorter log to the mirror's, which held them: two confirmed messages were lost."""
+    driven = Driven("node2", record(durable=True, mirrors=("node2",)))
+    driven.run(driven.core.on_joined("node2.b", ["node1.a", "node2.b"], 0))
+    driven.reports("node1.a", 70, Depth(1, 1))  # the master holds message 64, enqueued at its report 64
+    [request] = [s for s in driven.said() if isinstance(s, SyncRequest)]
+    kept = Message(64, b"kept", "p", 1, True)
+    driven.reports(
+        "node1.a", 71, SyncBatch("node2.b", (kept,), (), 1, request.below_id), SyncDone("node2.b"), Depth(1, 1)
+    )
+    [written] = driven.take(WriteLog)
+    assert [m.id for m in written.messages] == [64]
+    assert written.position == Position(1, 73), "its log holds the master's state as of report 73"
+    master_log_cut = Claim(Position(1, 63))
+    winner = elect(
+        {"node1": master_log_cut, "node2": Claim(written.position)},
+        "node1",
+        ("node2",),
+        ("node2",),
+        {"node1", "node2"},
+        promote_unsynchronised=False,
+    )
+    assert winner == "node2", "the log that holds message 64 recovers the queue"
 
 
 def test_a_publish_request_is_one_ring_message_and_a_mirror_applies_it_whole() -> None:

@@ -1362,6 +1362,10 @@ class ReplicaCore:
                 if not self.durable:
                     effects += self._say(one)
                 elif self.log is not LogState.FAILED:  # else it says so once its disk writes again
+                    # It holds what the master held at this report, whatever brought it here (a sync's
+                    # batches change no mark): its log's mark says so, or a log that holds everything would
+                    # claim the position of its last change it saw and lose a recovery to a shorter log.
+                    self._log_change_seq = max(self._log_change_seq, seq)
                     effects += self._start_mirror_log(fresh=not self._keep_existing_log)
                     changed = False
             else:
