@@ -17,7 +17,7 @@ from services.queue.durability import Position
 from services.queue.group_commit import GroupCommitter
 from services.queue.message_log import FileMessageLog
 from services.queue.ops import Message
-from services.queue.replica_core import AppendToLog, DiscardLog, FlushLog, WriteLog
+from services.queue.replica_core import AppendToLog, DiscardLog, FlushLog, WatchDisk, WriteLog
 from services.queue.replica_log import CURRENT, ReplicaLog
 
 
@@ -269,5 +269,39 @@ def test_closing_the_replaced_log_does_not_hold_the_event_loop(tmp_path: Path, r
             assert _recovered_bodies(tmp_path) == [b"first", b"second"]
         replica_log.close()
         assert failures == []
+
+    asyncio.run(scenario())
+
+
+def test_a_failed_log_stays_what_a_restart_finds_until_a_fresh_one_is_flushed(tmp_path: Path) -> None:
+    """The disk fault model of tests/sim (sim_disk.py) rests on this: a mirror whose disk failed stays listed
+    as synchronised until the master strikes it, and its log must go on holding what it said it held. When
+    the disk writes again the failed log is only closed; a restart finds it until the core's next fresh
+    WriteLog has been flushed (seed 14003647 found the simulator emptying it at once instead)."""
+    flushed: list[int] = []
+    failures: list[str] = []
+    writable: list[bool] = []
+
+    async def scenario() -> None:
+        replica_log = ReplicaLog(str(tmp_path), flushed.append, failures.append, lambda: writable.append(True))
+        await _a_first_generation(replica_log, flushed)
+        replica_log._fail(OSError(28, "No space left on device"))
+        replica_log.apply(AppendToLog((Message(2, b"lost", persistent=True),), (), Position(1, 2)))
+        replica_log.apply(FlushLog(2))
+        replica_log.apply(WatchDisk())
+        await _until(lambda: writable == [True], "the disk was never found writable")
+        assert replica_log.log is None
+        assert _recovered_bodies(tmp_path) == [b"first"], "the failed log is what a restart finds"
+        replica_log.apply(AppendToLog((Message(3, b"dropped", persistent=True),), (), Position(1, 3)))
+        assert _recovered_bodies(tmp_path) == [b"first"]
+        messages = (Message(1, b"first", persistent=True), Message(3, b"held", persistent=True))
+        replica_log.apply(WriteLog(messages, Position(1, 3), fresh=False))
+        await _until(lambda: replica_log.log is not None, "the fresh log was never written")
+        assert _recovered_bodies(tmp_path) == [b"first"], "still the old log: the new one is not flushed yet"
+        replica_log.apply(FlushLog(3))
+        await _until(lambda: flushed == [1, 3], f"the fresh log's flush reported (got {flushed})")
+        replica_log.close()
+        assert failures == ["OSError: [Errno 28] No space left on device"]
+        assert _recovered_bodies(tmp_path) == [b"first", b"held"]
 
     asyncio.run(scenario())

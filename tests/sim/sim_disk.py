@@ -6,7 +6,9 @@ Faults: a crash drops the buffer and any flush in progress (torn writes never co
 corrupts one durable operation in the middle (recovery salvages around it and claims only the
 intact prefix, as message_log.py does with its COMMIT records); `cut_tail` loses the last durable
 flush (a tail cut by a few bytes loses its COMMIT record, so the whole flush; the same as a disk
-that lied about an fsync); `full` makes every flush fail until it is cleared.
+that lied about an fsync); `full` makes every flush fail until it is cleared. A failed log stays on the
+disk once the disk writes again, as replica_log.py leaves its generation: appends are dropped until a
+WriteLog replaces it, at that write's first flush, so a restart in between finds the old log.
 """
 
 from __future__ import annotations
@@ -39,17 +41,21 @@ class SimDisk:
     exists: bool = False
     # Damaged or cut since its log was last written whole: the fault model never spoils every listed replica.
     spoiled: bool = False
+    # The disk writes again after a failure: the failed log is kept, written to only by a fresh WriteLog.
+    replaced_next: bool = False
 
     # ---------------------------------------------------------------- writing
 
     def append(self, ops: list[Op]) -> None:
-        if not self.failed and self.exists:
+        if not self.failed and self.exists and not self.replaced_next:
             self.buffer.extend(ops)
 
     def write_exactly(self, messages: tuple[Message, ...], position: Position, fresh: bool) -> None:
         """WriteLog: hold exactly `messages`, by a delta when it can be appended in id order."""
         if self.failed:
             return
+        if self.replaced_next:
+            fresh, self.replaced_next = True, False
         live = self._replay(self._all_ops())[0] if self.exists and not fresh else None
         wanted = {m.id: m for m in messages}
         if live is not None and self.damaged_at is None:
@@ -85,14 +91,16 @@ class SimDisk:
         self.damaged_at = None
         self.exists = False
         self.spoiled = False
+        self.replaced_next = False
 
     def reopen_fresh(self) -> bool:
-        """WatchDisk's retry: a fresh, empty log if the disk writes again."""
+        """WatchDisk's retry: if the disk writes again, the failed log is closed (it stays, as written) and
+        the next WriteLog writes a fresh one."""
         if self.full:
             return False
-        self.discard()
+        self.buffer, self.fresh = [], None
         self.failed = False
-        self.exists = True
+        self.replaced_next = True
         return True
 
     def close(self) -> None:
@@ -105,6 +113,7 @@ class SimDisk:
         self.buffer = []
         self.fresh = None
         self.failed = False
+        self.replaced_next = False
 
     # ---------------------------------------------------------------- faults
 
