@@ -88,6 +88,10 @@ def test_seeded_schedules_lose_no_confirmed_message_and_converge(first: int) -> 
         # A mirror's disk filled and came back: the simulated disk emptied its log at once, though the record
         # still listed it; replica_log.py keeps the failed log until a fresh one is flushed, as sim_disk does now.
         14003647,
+        # A newcomer's joining Catchup was lost across a cut, and another newcomer was added between it and its
+        # adder (ring.py's hard case 9): the simulated member had no join timeout, as services/gm/member.py has,
+        # and waited for good, and the ring with it.
+        16001975,
     ],
 )
 def test_seeds_that_found_bugs(seed: int) -> None:

@@ -40,6 +40,9 @@ from services.gm.ring import NotJoined, RingMember
 from tests.sim.scheduler import Scheduler
 
 DETECT_AFTER_MS = (300, 1500)
+# How long an added newcomer waits for its joining Catchup before giving up its id (ring.py's hard case 9):
+# services/node.py's JOIN_TIMEOUT_FLOOR_SECONDS, the node's join timeout with default settings.
+JOIN_TIMEOUT_MS = 3000
 
 
 class MemberListener(Protocol):
@@ -98,6 +101,7 @@ class SimMember:
         self.link_clock: dict[str, int] = {}
         self.asked_by: set[str] = set()  # newcomers whose AddOnRight this member has not answered yet
         self.queued: dict[str, RingMessage] = {}  # receiver -> the last message to it not yet arrived
+        self.join_timer_armed = False
 
     @property
     def id(self) -> str:
@@ -198,8 +202,22 @@ class SimMember:
                 newcomer.post(lambda core: core.on_join_failed(left, evidence))
             else:
                 newcomer.post(lambda core: core.on_join_reply(group))
+                newcomer.arm_join_timer()
 
         world.scheduler.at(world.rng.randint(1, 10), answer)
+
+    def arm_join_timer(self) -> None:
+        """As services/gm/member.py: added, the newcomer waits for its joining Catchup only so long."""
+        if not self.join_timer_armed:
+            self.join_timer_armed = True
+            self.world.scheduler.at(JOIN_TIMEOUT_MS, self._join_timer_due)
+
+    def _join_timer_due(self) -> None:
+        self.join_timer_armed = False
+        if self.gone or self.core.publishers is not None:
+            return
+        self.post(lambda core: core.join_catchup_overdue())
+        self.arm_join_timer()
 
     def crash(self) -> None:
         """The member's process died: a newcomer waiting on its AddOnRight finds it unreachable."""
