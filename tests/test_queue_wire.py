@@ -39,6 +39,7 @@ FRESH_FULL = Message(8, b"\x00" * 300, "orders", 4, True, {"x-death-reason": "ex
         Requeue((4, 5)),
         Discard((6,), "maxlen"),
         Depth(12, epoch=4),
+        Depth(12, epoch=4, log_mark_seq=9),
         SyncBatch("node2.a", (PLAIN,), (FULL,)),
         SyncDone("node2.a"),
         SyncRequest("node2.a", 40),

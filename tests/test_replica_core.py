@@ -702,32 +702,40 @@ def test_equal_logs_of_master_and_mirror_carry_equal_marks() -> None:
     assert marks == [appended.position]
 
 
-def test_a_mirror_synchronised_by_a_sync_marks_its_log_at_the_report_it_became_synchronised_at() -> None:
+def test_a_mirror_synchronised_by_a_sync_marks_its_log_as_the_master_marks_its_own() -> None:
     """Found by the simulator (seeds 15000525, 17000192): a mirror that joined late held everything after its
     sync, but its log's mark still named the last change it had seen (none: 1.0). Every node crashed, the
     master's log lost its last flush (1.63, without the last two confirmed messages), and the election
-    preferred that shorter log to the mirror's, which held them: two confirmed messages were lost."""
+    preferred that shorter log to the mirror's, which held them: two confirmed messages were lost. The depth
+    report it becomes synchronised at names the master's mark (64), and the mirror's log takes it."""
     driven = Driven("node2", record(durable=True, mirrors=("node2",)))
     driven.run(driven.core.on_joined("node2.b", ["node1.a", "node2.b"], 0))
-    driven.reports("node1.a", 70, Depth(1, 1))  # the master holds message 64, enqueued at its report 64
+    driven.reports("node1.a", 70, Depth(1, 1, log_mark_seq=64))  # message 64, enqueued at the master's report 64
     [request] = [s for s in driven.said() if isinstance(s, SyncRequest)]
     kept = Message(64, b"kept", "p", 1, True)
-    driven.reports(
-        "node1.a", 71, SyncBatch("node2.b", (kept,), (), 1, request.below_id), SyncDone("node2.b"), Depth(1, 1)
-    )
+    batch = SyncBatch("node2.b", (kept,), (), 1, request.below_id)
+    driven.reports("node1.a", 71, batch, SyncDone("node2.b"), Depth(1, 1, log_mark_seq=64))
     [written] = driven.take(WriteLog)
     assert [m.id for m in written.messages] == [64]
-    assert written.position == Position(1, 73), "its log holds the master's state as of report 73"
-    master_log_cut = Claim(Position(1, 63))
-    winner = elect(
-        {"node1": master_log_cut, "node2": Claim(written.position)},
-        "node1",
-        ("node2",),
-        ("node2",),
-        {"node1", "node2"},
-        promote_unsynchronised=False,
-    )
-    assert winner == "node2", "the log that holds message 64 recovers the queue"
+    assert written.position == Position(1, 64), "marked as the master's log, which holds the same"
+
+    def winner(master_claim: Claim) -> str | None:
+        claims = {"node1": master_claim, "node2": Claim(written.position)}
+        return elect(claims, "node1", ("node2",), ("node2",), {"node1", "node2"}, promote_unsynchronised=False)
+
+    assert winner(Claim(Position(1, 63))) == "node2", "the log that holds message 64 recovers the queue"
+    assert winner(Claim(Position(1, 64))) == "node1", "equal logs, equal marks: the master keeps the queue"
+
+
+def test_a_durable_masters_depth_reports_name_its_logs_mark() -> None:
+    master = fresh_master(synchronised=("node2",))
+    publish(master, b"kept")
+    [appended] = [a for a in master.take(AppendToLog) if a.enqueued]
+    master.take(Broadcast)
+    master.run(master.core.tick(10_000))
+    depths = [r for b in master.take(Broadcast) for r in b.reports if isinstance(r, Depth)]
+    assert depths and appended.position is not None
+    assert {d.log_mark_seq for d in depths} == {appended.position.seq}
 
 
 def test_a_publish_request_is_one_ring_message_and_a_mirror_applies_it_whole() -> None:

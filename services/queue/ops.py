@@ -216,10 +216,13 @@ class Transaction:
 @dataclass(frozen=True, slots=True)
 class Depth:
     """The master's depth (ready + pending acknowledgement) at this point of the stream,
-    and the epoch of its term (see services/queue/durability.py)."""
+    the epoch of its term (see services/queue/durability.py), and, for a durable queue, the
+    GM sequence number its log's mark names: its last report that changed its log (0: none
+    this term, or a master that does not say)."""
 
     depth: int
     epoch: int = 0
+    log_mark_seq: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -393,6 +393,9 @@ class _MasterState:
     marking: set[str] = field(default_factory=set)
     held_confirms: list[int] = field(default_factory=list)
     last_persistent_seq: int = 0
+    # The GM sequence number the mark of this master's log names (its last report that changed the log): its
+    # depth reports carry it, so that a mirror synchronised at one marks its equal log equally.
+    log_mark_seq: int = 0
     syncing: set[str] = field(default_factory=set)  # targets with a sync batch in flight
     next_depth_ms: int = 0
     # The GM sequence number and value of the last depth report, and whether a member was born since: a
@@ -773,6 +776,7 @@ class ReplicaCore:
             effects += self._event(now_ms, "disk_recovered", "the master's disk writes again: confirms resume")
             holdings = tuple(persistent_holdings(self.master.core.contents.messages))
             effects.append(WriteLog(holdings, Position(self.epoch, self.next_seq - 1), fresh=True))
+            self.master.log_mark_seq = self.next_seq - 1
             effects += self._flush()
             return effects
         self.log = LogState.NONE
@@ -1017,6 +1021,10 @@ class ReplicaCore:
         last_seq = persistent_seq = 0
         _pack(step)
         if step.reports and self.replicates_messages:
+            if self.durable and type(step.reports[-1]) is Depth:  # a depth report ends the steps that send one
+                changed = step.last_log_change >= 0
+                mark = self.next_seq + step.last_log_change if changed else state.log_mark_seq
+                step.reports[-1] = replace(step.reports[-1], log_mark_seq=mark)  # type: ignore[type-var]
             effects.append(Broadcast(tuple(step.reports), self.next_seq, confirmed=True))
             self.next_seq += len(step.reports)
             last_seq = self.next_seq - 1
@@ -1039,6 +1047,8 @@ class ReplicaCore:
                         removed.extend(change.ids)
             if enqueued:
                 state.last_persistent_seq = max(state.last_persistent_seq, persistent_seq)
+            if last_seq:
+                state.log_mark_seq = first + step.last_log_change
             if self.log is LogState.KEEPING:
                 position = Position(self.epoch, first + step.last_log_change) if last_seq else None
                 effects.append(AppendToLog(tuple(enqueued), tuple(removed), position))
@@ -1362,10 +1372,12 @@ class ReplicaCore:
                 if not self.durable:
                     effects += self._say(one)
                 elif self.log is not LogState.FAILED:  # else it says so once its disk writes again
-                    # It holds what the master held at this report, whatever brought it here (a sync's
-                    # batches change no mark): its log's mark says so, or a log that holds everything would
-                    # claim the position of its last change it saw and lose a recovery to a shorter log.
-                    self._log_change_seq = max(self._log_change_seq, seq)
+                    # It holds what the master held at this depth report, whatever brought it here (a sync's
+                    # batches change no mark): its log is marked as the master's is, or a log that holds
+                    # everything would claim the last change this mirror saw (none, after a sync) and lose
+                    # a recovery to a shorter log.
+                    if isinstance(report, Depth):
+                        self._log_change_seq = max(self._log_change_seq, report.log_mark_seq)
                     effects += self._start_mirror_log(fresh=not self._keep_existing_log)
                     changed = False
             else:
@@ -1510,6 +1522,8 @@ class ReplicaCore:
                 effects += self._flush()
             state = self.master
             assert state is not None
+            if self.log is not LogState.FAILED:
+                state.log_mark_seq = self.next_seq - 1
             if self.replicates_messages:  # the barrier of hard case 7: this master's next broadcast, its flush
                 state.inherited_seq = self.next_seq
                 state.inherited_flush = self.next_flush_id - (self.log is not LogState.FAILED)

@@ -132,6 +132,7 @@ def _encode_into(out: pb.QueueReport, report: AnyReport) -> None:
     elif isinstance(report, Depth):
         out.depth = report.depth
         out.epoch = report.epoch
+        out.log_mark_seq = report.log_mark_seq
     elif isinstance(report, SyncBatch):
         out.sync_batch.target = report.target
         for m in report.ready:
@@ -233,7 +234,7 @@ def decode(data: bytes) -> AnyReport:
     if kind == "transaction":
         return Transaction(_decode_changes(report.transaction))
     if kind == "depth":
-        return Depth(report.depth, report.epoch)
+        return Depth(report.depth, report.epoch, report.log_mark_seq)
     if kind == "sync_batch":
         batch = report.sync_batch
         return SyncBatch(
