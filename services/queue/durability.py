@@ -3,10 +3,12 @@ serves after a restart (pure rules; services/queue/replica_core.py applies them)
 
 - Every replica of a durable queue keeps a message log (message_log.py): the master from its
   start, a mirror from the moment it is synchronised. A log's *mark* is a `Position`: the epoch of
-  the master whose reports the log reflects and the GM sequence number of the last of them it
-  covers. Each new master's epoch is one more than the record's (`QueueRecord.master_epoch`, raised
-  by compare-and-set), so positions order replicas' histories: within one epoch every log is a
-  prefix of the same report stream.
+  the master whose reports the log reflects and the GM sequence number of the last of them that
+  changed the log, so equal logs carry equal marks. (A mirror synchronised by a sync saw none of the
+  changes it holds: it takes the master's mark, which the master's depth reports carry.) Each new
+  master's epoch is one more than the record's (`QueueRecord.master_epoch`, raised by
+  compare-and-set), so positions order replicas' histories: within one epoch every log is a prefix
+  of the same report stream.
 - After a restart a replica that hears no serving master *claims*: it puts the position of its
   log's intact prefix in the record (`recovery_positions`), flagged when the log is damaged (a bad
   record followed by good ones: see message_log.py). `elect` names the replica that recovers the
