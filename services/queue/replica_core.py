@@ -1021,10 +1021,11 @@ class ReplicaCore:
         last_seq = persistent_seq = 0
         _pack(step)
         if step.reports and self.replicates_messages:
-            if self.durable and type(step.reports[-1]) is Depth:  # a depth report ends the steps that send one
+            last = step.reports[-1]
+            if self.durable and isinstance(last, Depth):  # a depth report ends the steps that send one
                 changed = step.last_log_change >= 0
                 mark = self.next_seq + step.last_log_change if changed else state.log_mark_seq
-                step.reports[-1] = replace(step.reports[-1], log_mark_seq=mark)  # type: ignore[type-var]
+                step.reports[-1] = replace(last, log_mark_seq=mark)
             effects.append(Broadcast(tuple(step.reports), self.next_seq, confirmed=True))
             self.next_seq += len(step.reports)
             last_seq = self.next_seq - 1
