@@ -135,6 +135,32 @@ def test_a_mirror_that_says_it_is_synchronised_is_required_at_once_and_marked_on
     assert marked(driven) == ("node2",)
 
 
+def test_a_mirror_is_marked_again_when_the_unmark_of_its_earlier_word_lands_after_the_mark() -> None:
+    """Found by the simulator (seed 20000569): the master heard a mirror's Desynchronised (its disk filled)
+    and then its Synchronised (the disk came back) in one delivery, and asked for an unmark and a mark. Record
+    updates run concurrently (replica.py spawns each), and the unmark landed last: the mirror, synchronised,
+    stayed unmarked for good (with ha-min-synchronised 1 and no other mirror, confirms would have been held)."""
+    driven = fresh_master(definition={"ha-min-synchronised": 0, **HA})  # node2 listed, not marked yet
+    before = driven.record
+    effects = driven.core.on_reports("node2.b", 2, [Desynchronised("node2.b"), Synchronised("node2.b")], driven.now)
+    unmark, mark = [e for e in effects if isinstance(e, UpdateRecord)]
+    assert "unmark" in unmark.purpose and "mark node2" in mark.purpose
+    marked_first = mark.change(before) or before
+    driven.record = dataclasses.replace(marked_first, version=before.version + 1)
+    driven.run(driven.core.on_record(driven.record, 0))
+    unmarked_last = unmark.change(driven.record)
+    assert unmarked_last is not None and unmarked_last.synchronised_mirrors == ()
+    driven.record = dataclasses.replace(unmarked_last, version=driven.record.version + 1)
+    driven.run(driven.core.on_record(driven.record, 0))
+    assert marked(driven) == ("node2",), "its last word was Synchronised: marked again"
+
+
+def test_a_mirror_whose_last_word_was_desynchronised_stays_unmarked() -> None:
+    driven = fresh_master(synchronised=("node2",))
+    driven.reports("node2.b", 1, Synchronised("node2.b"), Desynchronised("node2.b"))
+    assert marked(driven) == ()
+
+
 def test_steps_complete_in_the_order_they_were_decided_whatever_they_wait_for() -> None:
     """Found by the failover test: a step with acks waited for the disk and a later publish step did not,
     so the later step's deliveries (higher tags) overtook the earlier one's."""

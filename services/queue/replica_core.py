@@ -73,6 +73,10 @@ The hard cases
    still lists the node): it holds no claim to the queue and never promotes, so a mirror that deferred
    to it would wait for good. A mirror counts a member born since it joined only once it heard it say
    Synchronised, and a promotion lists such a node as a mirror but not as synchronised.
+10. Record updates run concurrently, so they may land out of order: a mirror that said Desynchronised and
+   then Synchronised (its disk failed and came back) may see the unmark of its first word land after the
+   mark of its second. The master remembers each mirror's last word, and marks again a mirror whose last
+   word was Synchronised when the record lists it unmarked.
 
 Invariants (checked by tests/sim after every step)
 --------------------------------------------------
@@ -391,6 +395,9 @@ class _MasterState:
     # report their disk must hold first (the last persistent one decided when they said so).
     announced: dict[str, int] = field(default_factory=dict)
     marking: set[str] = field(default_factory=set)
+    # Mirrors whose last word to this master was Synchronised (not Desynchronised): if the record lists one
+    # unmarked (an unmark of its earlier word landed after the mark), it is marked again.
+    said_synchronised: set[str] = field(default_factory=set)
     held_confirms: list[int] = field(default_factory=list)
     last_persistent_seq: int = 0
     # The GM sequence number the mark of this master's log names (its last report that changed the log): its
@@ -1183,6 +1190,7 @@ class ReplicaCore:
             return self._next_sync_batch(said.member, now_ms)
         if isinstance(said, Desynchronised):
             state.announced.pop(node, None)
+            state.said_synchronised.discard(node)
             effects = self._event(
                 now_ms,
                 "mirror_desynchronised",
@@ -1193,6 +1201,7 @@ class ReplicaCore:
             return effects + self._complete_ready(now_ms)
         # Synchronised: marked in the record once its disk (durable queues) holds what was decided before;
         # from now on its disk is required for confirms.
+        state.said_synchronised.add(node)
         if node == self.node or node in self.record.synchronised_mirrors:
             return []
         state.announced.setdefault(node, state.last_persistent_seq if self.durable else 0)
@@ -1206,6 +1215,9 @@ class ReplicaCore:
             return []
         effects: list[Effect] = []
         record = self.record
+        for node in state.said_synchronised - state.announced.keys() - set(record.synchronised_mirrors) - {self.node}:
+            if node in record.mirrors:  # an unmark that landed after the mark of its later Synchronised
+                state.announced[node] = state.last_persistent_seq if self.durable else 0
         for node, seq in list(state.announced.items()):
             if node in record.synchronised_mirrors:
                 del state.announced[node]
@@ -1223,6 +1235,7 @@ class ReplicaCore:
         for node in gone:
             state.persisted_through.pop(node, None)
             state.announced.pop(node, None)
+            state.said_synchronised.discard(node)
             state.marking.discard(node)
         if not gone:
             return []
