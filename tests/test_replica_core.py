@@ -155,6 +155,15 @@ def test_a_mirror_is_marked_again_when_the_unmark_of_its_earlier_word_lands_afte
     assert marked(driven) == ("node2",), "its last word was Synchronised: marked again"
 
 
+def test_the_word_of_a_dead_member_does_not_mark_a_replica_restarted_on_its_node() -> None:
+    driven = fresh_master(definition={"ha-min-synchronised": 0, **HA})
+    driven.reports("node2.b", 1, Synchronised("node2.b"))
+    assert marked(driven) == ("node2",)
+    driven.run(driven.core.on_members_changed(["node2.c"], ["node2.b"], 0))  # restarted; node2 not struck
+    driven.set_record(synchronised_mirrors=())  # unmarked (say, by an unmark of node2.b's, landing late)
+    assert marked(driven) == (), "node2.c has said nothing: it is not synchronised"
+
+
 def test_a_mirror_whose_last_word_was_desynchronised_stays_unmarked() -> None:
     driven = fresh_master(synchronised=("node2",))
     driven.reports("node2.b", 1, Synchronised("node2.b"), Desynchronised("node2.b"))

@@ -395,8 +395,9 @@ class _MasterState:
     # report their disk must hold first (the last persistent one decided when they said so).
     announced: dict[str, int] = field(default_factory=dict)
     marking: set[str] = field(default_factory=set)
-    # Mirrors whose last word to this master was Synchronised (not Desynchronised): if the record lists one
-    # unmarked (an unmark of its earlier word landed after the mark), it is marked again.
+    # Mirror members whose last word to this master was Synchronised (not Desynchronised): if the record
+    # lists one's node unmarked while it lives (an unmark of its earlier word landed after the mark), it is
+    # marked again. Members, not nodes: a replica restarted on the node has said nothing yet (hard case 9).
     said_synchronised: set[str] = field(default_factory=set)
     held_confirms: list[int] = field(default_factory=list)
     last_persistent_seq: int = 0
@@ -1190,7 +1191,7 @@ class ReplicaCore:
             return self._next_sync_batch(said.member, now_ms)
         if isinstance(said, Desynchronised):
             state.announced.pop(node, None)
-            state.said_synchronised.discard(node)
+            state.said_synchronised.discard(said.member)
             effects = self._event(
                 now_ms,
                 "mirror_desynchronised",
@@ -1201,7 +1202,7 @@ class ReplicaCore:
             return effects + self._complete_ready(now_ms)
         # Synchronised: marked in the record once its disk (durable queues) holds what was decided before;
         # from now on its disk is required for confirms.
-        state.said_synchronised.add(node)
+        state.said_synchronised.add(said.member)
         if node == self.node or node in self.record.synchronised_mirrors:
             return []
         state.announced.setdefault(node, state.last_persistent_seq if self.durable else 0)
@@ -1215,8 +1216,9 @@ class ReplicaCore:
             return []
         effects: list[Effect] = []
         record = self.record
-        for node in state.said_synchronised - state.announced.keys() - set(record.synchronised_mirrors) - {self.node}:
-            if node in record.mirrors:  # an unmark that landed after the mark of its later Synchronised
+        for member in state.said_synchronised & self.live:
+            node = node_of(member)  # listed, unmarked: an unmark landed after the mark of its later Synchronised
+            if node in record.mirrors and node not in record.synchronised_mirrors and node not in state.announced:
                 state.announced[node] = state.last_persistent_seq if self.durable else 0
         for node, seq in list(state.announced.items()):
             if node in record.synchronised_mirrors:
@@ -1232,10 +1234,10 @@ class ReplicaCore:
         assert state is not None
         live = self.live_nodes()
         gone = {node_of(dead) for dead in deaths} - live - {self.node}
+        state.said_synchronised -= set(deaths)
         for node in gone:
             state.persisted_through.pop(node, None)
             state.announced.pop(node, None)
-            state.said_synchronised.discard(node)
             state.marking.discard(node)
         if not gone:
             return []
