@@ -12,7 +12,7 @@
 #   make bench-streams  ordered streams: ringq vs a RabbitMQ quorum queue vs NATS JetStream (R3, file), updates docs/benchmarks.md
 #   make soak     W2 at 10,000 msgs/s for 30 minutes, every node's RSS each minute, updates docs/benchmarks.md
 #   make bench-scale  W1 by replicas, many queues (and their idle CPU), body sizes, memory per queued message, updates docs/benchmarks.md
-#   make bench-floor  Python gRPC alone: a stream write's CPU and three path shapes of bare relays (ringq's five hops, delivery beside the ring, no ring), updates docs/benchmarks.md
+#   make bench-floor  Python gRPC alone: a stream write's CPU and three path shapes of bare relays (ringq's five hops, delivery beside the ring, no ring), each paced exactly and as make bench paces, updates docs/benchmarks.md
 SHELL := /bin/bash
 PYTHON ?= python3
 VENV := .venv
@@ -167,7 +167,7 @@ bench-scale: setup
 
 # The floor under every hop (about 30 s): what one gRPC stream write costs, and ringq's path shape of bare relays.
 bench-floor: setup
-	$(PY) -m bench.grpc_floor --write docs/benchmarks.md
+	$(PY) -m bench.grpc_floor --pacing exact,tick --write docs/benchmarks.md
 
 clean:
 	rm -rf $(VENV) $(GEN) clients/python/ringq/internal .pytest_cache .mypy_cache .ruff_cache *.egg-info \

@@ -20,7 +20,13 @@ same). Producer and consumer are separate processes, as in `make bench`, and lat
 message's scheduled send time to its receipt, as there. Shapes and rates take turns, repeated `--runs`
 times; a cell is the median (min-max) of the runs.
 
-    python -m bench.grpc_floor [--rates 1000,2000] [--seconds 6] [--runs 3] [--write docs/benchmarks.md]
+The producer paces one of two ways (`--pacing`): `exact` sleeps to each message's own scheduled time (the
+lowest floor a producer could give); `tick` sends what has fallen due every PACE_TICK_S and awaits that
+write before sleeping again, as `make bench`'s producers do (bench/reference/rabbitmq_workloads.py,
+`AsyncWindowProducer._pace`): fewer, larger frames, so the relays' CPU is comparable with the brokers' there.
+
+    python -m bench.grpc_floor [--rates 1000,2000] [--seconds 6] [--runs 3] [--pacing exact,tick]
+                               [--write docs/benchmarks.md]
 """
 
 from __future__ import annotations
@@ -47,6 +53,7 @@ from typing import Any
 import grpc
 
 from bench.markdown import command_line, replace_marked
+from bench.reference.rabbitmq_workloads import PACE_TICK_S
 from services.request_guard import EXCLUSIVE_PORT_OPTION
 
 MARK_BEGIN = "<!-- grpc-floor:begin -->"
@@ -125,6 +132,10 @@ class _Outbox:
         self._queued.append(_LENGTH.pack(len(message)) + message)
         self._written.clear()
         self._wake.set()
+
+    async def written(self) -> None:
+        """Until what was queued has been written."""
+        await self._written.wait()
 
     async def _write(self) -> None:
         while True:
@@ -205,10 +216,12 @@ async def _consume(out: Path) -> None:
     await server.stop(None)
 
 
-async def _produce(first: int, rate: float, seconds: float, mark: Callable[[], None]) -> tuple[int, int]:
+async def _produce(
+    first: int, rate: float, seconds: float, mark: Callable[[], None], pacing: str = "exact"
+) -> tuple[int, int]:
     """Send to port `first` at `rate` for WARM_UP_S + `seconds`, each message stamped with its scheduled send
     time, then THE_END; the number of timed messages and the scheduled time of the first one. `mark` is
-    called when the timed messages start and when the last one is sent."""
+    called when the timed messages start and when the last one is sent. `pacing`: see the module's text."""
     outbox = _Outbox(first)
     padding = bytes(BODY_BYTES - _STAMP.size)
     for _ in range(20):  # dial every link of the path before the clock starts
@@ -218,23 +231,39 @@ async def _produce(first: int, rate: float, seconds: float, mark: Callable[[], N
     start_ns = time.perf_counter_ns()
     warm_up = round(WARM_UP_S * rate)
     total = warm_up + round(seconds * rate)
-    for sent in range(total):
-        if sent == warm_up:
-            mark()
-        scheduled = start_ns + sent * interval_ns
-        delay = (scheduled - time.perf_counter_ns()) / 1e9
-        if delay > 0:
-            await asyncio.sleep(delay)
-        outbox.put(_STAMP.pack(0, scheduled) + padding)
+    sent = 0
+    while sent < total:
+        if pacing == "tick":
+            due = min(total, (time.perf_counter_ns() - start_ns) // interval_ns + 1)
+        else:
+            delay = (start_ns + sent * interval_ns - time.perf_counter_ns()) / 1e9
+            if delay > 0:
+                await asyncio.sleep(delay)
+            due = sent + 1
+        while sent < due:
+            if sent == warm_up:
+                mark()
+            outbox.put(_STAMP.pack(0, start_ns + sent * interval_ns) + padding)
+            sent += 1
+        if pacing == "tick":
+            await outbox.written()
+            await asyncio.sleep(PACE_TICK_S)
     mark()
     outbox.put(_STAMP.pack(0, THE_END) + padding)
     await outbox.close()
     return total - warm_up, start_ns + warm_up * interval_ns
 
 
+PACINGS = {
+    "exact": "each message at its own scheduled time",
+    "tick": "what fell due, every 1 ms tick after the last write (as make bench's producers)",
+}
+
+
 @dataclass
 class PathResult:
     shape: str
+    pacing: str
     rate: float
     sent: int
     received: int
@@ -290,8 +319,9 @@ class _Child:
                 pipe.close()
 
 
-def measure_path(shape: str, rate: float, seconds: float) -> PathResult:
-    """One run of `shape` (a key of SHAPES) at `rate` msgs/s for `seconds` after the warm-up."""
+def measure_path(shape: str, rate: float, seconds: float, pacing: str = "exact") -> PathResult:
+    """One run of `shape` (a key of SHAPES) at `rate` msgs/s for `seconds` after the warm-up, the producer
+    paced by `pacing` (a key of PACINGS)."""
     route = SHAPES[shape][1]
     children: list[_Child] = []
     with tempfile.TemporaryDirectory(prefix="ringq-floor-") as directory:
@@ -313,7 +343,7 @@ def measure_path(shape: str, rate: float, seconds: float) -> PathResult:
             def mark() -> None:
                 marks.append((sum(_cpu_seconds(r.pid) for r in relays.values()), time.monotonic()))
 
-            sent, timed_from = asyncio.run(_produce(relays[0].port, rate, seconds, mark))
+            sent, timed_from = asyncio.run(_produce(relays[0].port, rate, seconds, mark, pacing))
             (cpu_before, started), (cpu_after, ended) = marks
             cores = (cpu_after - cpu_before) / (ended - started)
             consumer.process.wait(timeout=30)
@@ -323,7 +353,8 @@ def measure_path(shape: str, rate: float, seconds: float) -> PathResult:
             for child in children:
                 child.stop()
     kept = latencies or [float("nan")]
-    return PathResult(shape, rate, sent, len(latencies), _percentile(kept, 0.5), _percentile(kept, 0.99), cores)
+    p50, p99 = _percentile(kept, 0.5), _percentile(kept, 0.99)
+    return PathResult(shape, pacing, rate, sent, len(latencies), p50, p99, cores)
 
 
 async def _write_cost(size: int, count: int, port: int) -> tuple[float, float]:
@@ -354,7 +385,10 @@ def _spread(values: list[float], digits: int = 2) -> str:
 
 
 def section(writes: dict[int, tuple[float, float]], paths: list[PathResult], command: str) -> str:
-    runs = max((sum(1 for p in paths if (p.shape, p.rate) == (q.shape, q.rate)) for q in paths), default=0)
+    def key(p: PathResult) -> tuple[str, str, float]:
+        return (p.shape, p.pacing, p.rate)
+
+    runs = max((sum(1 for p in paths if key(p) == key(q)) for q in paths), default=0)
     lines = [
         MARK_BEGIN,
         "## Python gRPC alone: the floor under every hop (`make bench-floor`)",
@@ -377,14 +411,15 @@ def section(writes: dict[int, tuple[float, float]], paths: list[PathResult], com
         f"Bare relays, 256-byte messages; latency from the scheduled send time to the consumer's receipt; "
         f"median (min-max) of {runs} runs, shapes and rates taking turns:",
         "",
-        "| path | rate, msgs/s | received of sent, all runs | p50 ms | p99 ms | relays' CPU, cores |",
-        "|---|---:|---:|---:|---:|---:|",
+        "| path | producer's pacing | rate, msgs/s | received of sent, all runs | p50 ms | p99 ms "
+        "| relays' CPU, cores |",
+        "|---|---|---:|---:|---:|---:|---:|",
     ]
     for shape, (description, _) in SHAPES.items():
-        for rate in dict.fromkeys(p.rate for p in paths if p.shape == shape):
-            runs_of = [p for p in paths if (p.shape, p.rate) == (shape, rate)]
+        for pacing, rate in dict.fromkeys((p.pacing, p.rate) for p in paths if p.shape == shape):
+            runs_of = [p for p in paths if key(p) == (shape, pacing, rate)]
             lines.append(
-                f"| {description} | {rate:,.0f} | {sum(p.received for p in runs_of):,} of "
+                f"| {description} | {PACINGS[pacing]} | {rate:,.0f} | {sum(p.received for p in runs_of):,} of "
                 f"{sum(p.sent for p in runs_of):,} | {_spread([p.p50_ms for p in runs_of])} | "
                 f"{_spread([p.p99_ms for p in runs_of])} | {_spread([p.relay_cores for p in runs_of])} |"
             )
@@ -405,6 +440,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seconds", type=float, default=6.0, help="how long each run is timed (default 6)")
     parser.add_argument("--runs", type=int, default=3, help="runs of each shape at each rate (default 3)")
     parser.add_argument("--shapes", default=",".join(SHAPES), help="path shapes, comma-separated")
+    parser.add_argument(
+        "--pacing", default="exact", help=f"the producer's pacings, comma-separated, of {list(PACINGS)}"
+    )
     parser.add_argument("--writes", type=int, default=3000, help="stream writes timed per size (default 3000)")
     parser.add_argument("--write", type=Path, help="put the results into this Markdown file")
     args = parser.parse_args(arguments)
@@ -412,14 +450,18 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [shape for shape in shapes if shape not in SHAPES]
     if unknown:
         parser.error(f"unknown shapes {unknown}: choose from {list(SHAPES)}")
+    pacings = args.pacing.split(",")
+    if unknown := [pacing for pacing in pacings if pacing not in PACINGS]:
+        parser.error(f"unknown pacings {unknown}: choose from {list(PACINGS)}")
     writes = measure_writes([BODY_BYTES, 26_000], args.writes)
     paths = []
     for _ in range(args.runs):
         for rate in args.rates.split(","):
-            for shape in shapes:
-                path = measure_path(shape, float(rate), args.seconds)
-                print(path, flush=True)
-                paths.append(path)
+            for pacing in pacings:
+                for shape in shapes:
+                    path = measure_path(shape, float(rate), args.seconds, pacing)
+                    print(path, flush=True)
+                    paths.append(path)
     text = section(writes, paths, command_line("bench.grpc_floor", "bench-floor", argv))
     print(text)
     if args.write is not None:

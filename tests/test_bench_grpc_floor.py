@@ -17,11 +17,12 @@ def test_the_section_names_the_command_and_every_figure() -> None:
     text = grpc_floor.section(
         {256: (40e-6, 50e-6), 26_000: (35e-6, 45e-6)},
         [
-            PathResult("ring", 2000.0, 12000, 12000, 1.5, 5.0, 0.9),
-            PathResult("direct", 2000.0, 12000, 12000, 0.9, 1.7, 0.25),
-            PathResult("ring", 2000.0, 12000, 11999, 2.5, 9.0, 1.1),
-            PathResult("direct", 2000.0, 12000, 12000, 1.0, 1.8, 0.27),
-            PathResult("ring", 2000.0, 12000, 12000, 2.0, 20.0, 1.0),
+            PathResult("ring", "exact", 2000.0, 12000, 12000, 1.5, 5.0, 0.9),
+            PathResult("direct", "exact", 2000.0, 12000, 12000, 0.9, 1.7, 0.25),
+            PathResult("ring", "exact", 2000.0, 12000, 11999, 2.5, 9.0, 1.1),
+            PathResult("direct", "exact", 2000.0, 12000, 12000, 1.0, 1.8, 0.27),
+            PathResult("ring", "exact", 2000.0, 12000, 12000, 2.0, 20.0, 1.0),
+            PathResult("ring", "tick", 2000.0, 12000, 12000, 3.0, 6.0, 0.6),
         ],
         "make bench-floor",
     )
@@ -30,10 +31,20 @@ def test_the_section_names_the_command_and_every_figure() -> None:
     assert "| 256 bytes | 90 (40 + 50) |" in text
     assert "| 26,000 bytes | 80 (35 + 45) |" in text
     assert "median (min-max) of 3 runs" in text
-    ring = grpc_floor.SHAPES["ring"][0]
-    assert f"| {ring} | 2,000 | 35,999 of 36,000 | 2.00 (1.50-2.50) | 9.00 (5.00-20.00) | 1.00 (0.90-1.10) |" in text
+    ring, exact, tick = grpc_floor.SHAPES["ring"][0], grpc_floor.PACINGS["exact"], grpc_floor.PACINGS["tick"]
+    assert (
+        f"| {ring} | {exact} | 2,000 | 35,999 of 36,000 | 2.00 (1.50-2.50) | 9.00 (5.00-20.00) | 1.00 (0.90-1.10) |"
+        in text
+    )
+    assert (
+        f"| {ring} | {tick} | 2,000 | 12,000 of 12,000 | 3.00 (3.00-3.00) | 6.00 (6.00-6.00) | 0.60 (0.60-0.60) |"
+        in text
+    )
     direct = grpc_floor.SHAPES["direct"][0]
-    assert f"| {direct} | 2,000 | 24,000 of 24,000 | 0.95 (0.90-1.00) | 1.75 (1.70-1.80) | 0.26 (0.25-0.27) |" in text
+    assert (
+        f"| {direct} | {exact} | 2,000 | 24,000 of 24,000 | 0.95 (0.90-1.00) | 1.75 (1.70-1.80) | 0.26 (0.25-0.27) |"
+        in text
+    )
     assert grpc_floor.SHAPES["beside"][0] not in text, "a shape that was not measured has no row"
 
 
@@ -51,6 +62,11 @@ def test_messages_are_split_back_out_of_a_batch() -> None:
 def test_an_unknown_shape_is_refused() -> None:
     with pytest.raises(SystemExit):
         grpc_floor.main(["--shapes", "ring,star"])
+
+
+def test_an_unknown_pacing_is_refused() -> None:
+    with pytest.raises(SystemExit):
+        grpc_floor.main(["--pacing", "exact,burst"])
 
 
 def test_a_process_cpu_time_counts_what_it_burns() -> None:
@@ -72,6 +88,15 @@ def test_every_message_crosses_its_path(shape: str) -> None:
     assert result.received == result.sent, "a message was lost on the relay path"
     assert 0 < result.p50_ms <= result.p99_ms
     assert result.relay_cores >= 0
+
+
+@pytest.mark.integration
+def test_a_tick_paced_producer_sends_every_message_once() -> None:
+    """The `tick` pacing sends what fell due at each tick, stamped with each message's own time: all of them,
+    none twice (the consumer would count a duplicate as one more received)."""
+    result = grpc_floor.measure_path("direct", rate=400.0, seconds=0.5, pacing="tick")
+    assert (result.pacing, result.sent, result.received) == ("tick", 200, 200)
+    assert 0 < result.p50_ms <= result.p99_ms
 
 
 @pytest.mark.integration
