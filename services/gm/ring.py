@@ -51,9 +51,10 @@ view version; a member receiving a newer version re-reads the table first
 - Acknowledgements ride along: an acknowledgement to pass right (one this
   member issued, or one from its left that carries no publication) waits for
   the next Activity going right and travels in it, merged into its publisher's
-  entry; with nothing else to carry it, the flush timer sends it after the
-  flush interval (`StartFlushTimer(acks_only=True)`: the shell waits the whole
-  interval even on an idle link). Acknowledgements only let members forget
+  entry; with nothing else to carry it, a flush timer sends it alone
+  (`StartFlushTimer(acks_only=True)`: the shell waits for a frame to ride on
+  longer than the flush interval, even on an idle link: services/gm/member.py
+  `ACKS_ALONE_WAIT_SECONDS`). Acknowledgements only let members forget
   what went all the way round: they confirm nothing to anyone, so waiting
   costs no latency, and under steady traffic it halves the ring's frames.
 - Activity from the left: publications not seen before are delivered, kept
