@@ -219,3 +219,20 @@ def test_a_catchup_keeps_its_place_after_the_deliveries() -> None:
         assert seen[:2] == ["deliver", "send Catchup"]
 
     asyncio.run(scenario())
+
+
+def test_prompt_acknowledgements_wait_only_the_flush_interval() -> None:
+    """Acknowledgements of a dead member's publications hold back its erasure and the news of its death
+    (a queue's promotion waits for it; services/gm/ring.py): they wait the flush interval, not longer."""
+
+    async def scenario() -> None:
+        shell = MemberShell(ShortFlushHost(idle=True), RingMember("g", "node1.a", "node1"), lambda event: None)  # type: ignore[arg-type]
+        await shell._perform(WatchNeighbours("node3.c", "node3", "node2.b", "node2"))
+        delays = _timers(asyncio.get_running_loop())
+        await shell._perform(StartFlushTimer(acks_only=True))
+        await shell._perform(StartFlushTimer(acks_only=True, prompt=True))
+        await asyncio.sleep(0)
+        assert shell._inbox.qsize() == 0 and shell._flush_armed and shell._acks_flush_armed
+        assert delays == [ACKS_ALONE_WAIT_SECONDS, ShortFlushHost.flush_interval]
+
+    asyncio.run(scenario())

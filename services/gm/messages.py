@@ -151,11 +151,13 @@ class WriteGroup:
 class StartFlushTimer:
     """Call `flush` after the flush interval: the broadcast buffer became non-empty, holding
     `buffered_bytes` (the shell may flush at once: see services/gm/member.py), or, `acks_only`,
-    acknowledgements are waiting for a frame to ride on (the shell waits the whole interval: one may go
-    right before it)."""
+    acknowledgements are waiting for a frame to ride on (the shell waits longer than the interval: one
+    may go right before it), unless `prompt`: some acknowledge a dead member's publications, whose
+    erasure, and the news of its death to the application, waits for them (the flush interval at most)."""
 
     acks_only: bool = False
     buffered_bytes: int = 0
+    prompt: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -54,9 +54,11 @@ view version; a member receiving a newer version re-reads the table first
   entry; with nothing else to carry it, a flush timer sends it alone
   (`StartFlushTimer(acks_only=True)`: the shell waits for a frame to ride on
   longer than the flush interval, even on an idle link: services/gm/member.py
-  `ACKS_ALONE_WAIT_SECONDS`). Acknowledgements only let members forget
-  what went all the way round: they confirm nothing to anyone, so waiting
-  costs no latency, and under steady traffic it halves the ring's frames.
+  `ACKS_ALONE_WAIT_SECONDS`). Acknowledgements only let members forget what
+  went all the way round: they confirm nothing to anyone, so waiting costs no
+  latency, and under steady traffic it halves the ring's frames. Except those
+  of a dead member's publications (`prompt`: the flush interval at most): the
+  dead member is erased, and its death reported, only once they are back.
 - Activity from the left: publications not seen before are delivered, kept
   pending and forwarded; acknowledgements drop pending entries and are
   forwarded. A publication that comes back to the member that owns its
@@ -743,6 +745,7 @@ class RingMember:
         out: list[PublisherActivity] = []
         actions: list[Action] = []
         acks_were_waiting = bool(self._acks_out)  # then a flush is already due (see below)
+        prompt_was_due = self._acks_for_the_dead()
         for entry in entries:
             publisher = entry.publisher
             if publisher not in known:
@@ -792,11 +795,20 @@ class RingMember:
             self._acks_out.clear()
         elif out:
             actions.append(self._send(Activity(self._take_acks(out))))
-        elif self._acks_out and not acks_were_waiting and not self._buffer:
+        elif self._acks_out and not self._buffer:
             # A flush is due whenever acknowledgements wait: the buffer's (a non-empty buffer has one
             # armed), or this one. Whatever sends them, a flush or an Activity from here, takes them all.
-            actions.append(StartFlushTimer(acks_only=True))
+            # Those of a dead member's publications are prompt: its erasure, which reports its death to
+            # the application (a queue's promotion waits for it), waits for them to go round.
+            prompt = self._acks_for_the_dead()
+            if not acks_were_waiting or (prompt and not prompt_was_due):
+                actions.append(StartFlushTimer(acks_only=True, prompt=prompt))
         return actions + self._next_write()
+
+    def _acks_for_the_dead(self) -> bool:
+        """Whether an acknowledgement waiting to go right is of a publisher no longer live."""
+        live = self.view.live if self.view is not None else {}
+        return any(publisher not in live for publisher in self._acks_out)
 
     def _defer_ack(self, publisher: str, through: int) -> None:
         if through > self._acks_out.get(publisher, 0):
