@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 
+from services.coordinator import group_table
 from services.coordinator.group_table import Group, GroupMember, MarkMemberDead
 from services.gm.messages import (
     Action,
@@ -508,5 +509,27 @@ def test_a_prompt_acknowledgement_asks_again_behind_one_that_waits() -> None:
     actions = core.on_message(h.links[("b", "c")].popleft())
     assert StartFlushTimer(acks_only=True, prompt=True) in actions
     h.run("c", actions)
+    h.pump()
+    assert h.seen["b"].deaths == ["a"] and h.seen["c"].deaths == ["a"]
+
+
+def test_acknowledgements_waiting_for_a_member_that_dies_become_prompt() -> None:
+    """An acknowledgement of a live member's publication waits on the long timer; if that member dies
+    meanwhile, the acknowledgement holds back its erasure: the view change asks for a prompt flush."""
+    h = _FlushTimers()
+    h.ring("a", "b", "c")  # a -> b -> c -> a
+    h.broadcast("a", b"x")
+    for link in [("a", "b"), ("b", "c"), ("c", "a")]:
+        h.deliver_one(*link)
+    h.flush("a")  # a sends ack(a#1) alone
+    h.deliver_one("a", "b")
+    assert h.cores["b"]._acks_out == {"a": 1}, "b holds the acknowledgement, waiting for a frame"
+    h.crash("a")
+    core = h.cores["b"]
+    (write,) = [a for a in core.on_neighbour_down("a", "crashed") if isinstance(a, WriteGroup)]
+    outcome, h.group = group_table.apply(h.group, write.change)
+    actions = core.on_group_written(outcome, h.group)
+    assert StartFlushTimer(acks_only=True, prompt=True) in actions
+    h.run("b", actions)
     h.pump()
     assert h.seen["b"].deaths == ["a"] and h.seen["c"].deaths == ["a"]

@@ -609,6 +609,10 @@ class RingMember:
             actions.append(self._catchup_to_right(joining=me.right in self._adding))
         elif old is None or new.version > old.version:
             actions.append(self._send(Activity()))  # view notice
+        newly_dead = old is not None and any(p in old.live and p not in new.live for p in self._acks_out)
+        if newly_dead and not self._buffer:
+            # Acknowledgements waiting for a member that just died are prompt now (see _handle_activity).
+            actions.append(StartFlushTimer(acks_only=True, prompt=True))
         self._added &= new.known
         for newcomer in [n for n in self._adding if n in new.known]:
             del self._adding[newcomer]
