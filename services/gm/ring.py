@@ -749,7 +749,7 @@ class RingMember:
         out: list[PublisherActivity] = []
         actions: list[Action] = []
         acks_were_waiting = bool(self._acks_out)  # then a flush is already due (see below)
-        prompt_was_due = self._acks_for_the_dead()
+        prompt_was_due = acks_were_waiting and self._acks_for_the_dead()
         for entry in entries:
             publisher = entry.publisher
             if publisher not in known:
