@@ -444,9 +444,9 @@ class Node:
             # A node speaks only for the members it hosts: with TLS, `peer` is what its certificate proves.
             self._note_impostor(peer, message.sender)
             return
-        member.post(lambda core: core.on_message(ring_message))
         if member.ring_observer is not None:
             member.ring_observer(ring_message, peer)
+        member.offer(lambda core: core.on_message(ring_message))
 
     def _note_impostor(self, peer: str, sender: str) -> None:
         """Log a ring message a node sent in the name of a member it does not host, once per peer per minute."""

@@ -236,3 +236,83 @@ def test_prompt_acknowledgements_wait_only_the_flush_interval() -> None:
         assert delays == [ACKS_ALONE_WAIT_SECONDS, ShortFlushHost.flush_interval]
 
     asyncio.run(scenario())
+
+
+def test_an_input_offered_to_an_idle_member_is_taken_at_once_and_its_frame_goes_first() -> None:
+    """A ring message that finds its member between inputs is taken in the reader's own turn of the event
+    loop (it used to wait a turn in the inbox for the member's task, and a mirror then gave the link's
+    writer one more turn before delivering): the frame reaches the link before `offer` returns, the
+    writer still gets its turn before the application sees the publications, and the next input waits."""
+
+    async def scenario() -> None:
+        seen: list[str] = []
+        activity = Activity([PublisherActivity("node2.b", 5, [b"m5", b"m6"], 0)])
+
+        def event(action: object) -> None:
+            seen.append(f"deliver {action.first_seq}" if isinstance(action, Deliver) else type(action).__name__)
+
+        shell = MemberShell(RecordingHost(seen), RingMember("g", "node1.a", "node1"), event)  # type: ignore[arg-type]
+        shell._task = asyncio.ensure_future(shell._run())
+        await asyncio.sleep(0)  # the run loop waits on the empty inbox
+        shell.offer(lambda core: _passed_on(activity))
+        assert seen == ["send Activity"]
+        shell.offer(lambda core: seen.append("the next input") or [])  # type: ignore[func-returns-value]
+        assert seen == ["send Activity"]  # queued behind the deliveries
+        for _ in range(10):
+            await asyncio.sleep(0)
+        assert seen == ["send Activity", "the writer's turn", "deliver 5", "the next input"]
+        shell._task.cancel()
+
+    asyncio.run(scenario())
+
+
+def test_an_input_offered_while_another_is_in_progress_waits_its_turn() -> None:
+    """An input offered while the member's run loop is in the middle of one (waiting for the group table,
+    say) must not overtake it: the ring's inputs are taken one at a time, in arrival order."""
+
+    async def scenario() -> None:
+        seen: list[str] = []
+        release: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        shell = MemberShell(RecordingHost(seen), RingMember("g", "node1.a", "node1"), lambda e: None)  # type: ignore[arg-type]
+
+        async def slow_execute(actions: list[Action]) -> None:
+            seen.append("actions start")
+            await release
+            seen.append("actions end")
+
+        shell._execute = slow_execute  # type: ignore[method-assign]
+        shell._task = asyncio.ensure_future(shell._run())
+        shell.post(lambda core: [])
+        for _ in range(3):
+            await asyncio.sleep(0)
+        assert seen == ["actions start"]
+        shell.offer(lambda core: seen.append("second input") or [])  # type: ignore[func-returns-value]
+        assert seen == ["actions start"]
+        release.set_result(None)
+        for _ in range(5):
+            await asyncio.sleep(0)
+        assert seen == ["actions start", "actions end", "second input", "actions start", "actions end"]
+        shell._task.cancel()
+
+    asyncio.run(scenario())
+
+
+def test_a_failure_in_an_input_taken_at_once_stops_the_member_not_the_link() -> None:
+    """An input taken at once runs in the link reader's task: what it raises must stop the member, as it
+    would in the member's own loop, and never reach the reader (whose link every group on it shares)."""
+
+    async def scenario() -> None:
+        events: list[Any] = []
+        shell = MemberShell(RecordingHost([]), RingMember("g", "node1.a", "node1"), events.append)  # type: ignore[arg-type]
+        shell._task = asyncio.ensure_future(shell._run())
+        await asyncio.sleep(0)
+
+        def failing(core: RingMember) -> list[Action]:
+            raise RuntimeError("a bug")
+
+        shell.offer(failing)  # raises nothing
+        assert shell.stopped is not None and "a bug" in shell.stopped.reason
+        assert isinstance(events[-1], Stopped)
+        await asyncio.wait_for(shell._task, 1)  # the run loop ends too
+
+    asyncio.run(scenario())

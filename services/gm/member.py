@@ -15,6 +15,14 @@ stops the member (it never carries on with a state it cannot trust); every
 write that records a member dead is logged at INFO with its group, the
 member, the ring's reason and the outcome.
 
+Ring messages are `offer`ed: when the member is between inputs (none queued,
+none in progress) one is taken at once, in the link reader's turn of the event
+loop, and so are those of its actions that neither wait nor feed the core; the
+rest go to the inbox ahead of anything that arrives later. A frame passed on
+reaches the link's writer a turn earlier, and most frames cost no task switch.
+Broadcasts and flushes are posted: the turn they wait in the inbox lets more
+publications join a frame (offered too, W1 and saturated W2 carried 3-7 % less).
+
 The join handshake: while the member asks another to add it (`join_request`),
 it watches that member like a neighbour (`watched`); the host keeps asking
 through silence and reconnect backoff, and only an answer or the host's
@@ -175,6 +183,7 @@ class MemberShell:
         # (the queue layer's ring-hop spans); None: nobody is told.
         self.ring_observer: Callable[[RingMessage, str], None] | None = None
         self._task: asyncio.Task[None] | None = None
+        self._in_input = False  # an input is being taken (by the run loop, or at once by `offer`)
         self._tasks: set[asyncio.Future[None]] = set()
 
     @property
@@ -188,6 +197,28 @@ class MemberShell:
     def post(self, step: Callable[[RingMember], list[Action]]) -> None:
         """Queue one input for the ring member."""
         self._inbox.put_nowait(step)
+
+    def offer(self, step: Callable[[RingMember], list[Action]]) -> None:
+        """Take one input now if the member is between inputs, else queue it (`post`). Taken now, its
+        actions that neither wait nor feed the core are carried out now too (an Activity passed on goes to
+        the link first: what it delivers waits in the inbox, which gives the link's writer its turn of the
+        event loop first); whatever remains goes to the inbox, ahead of every later input."""
+        if self._in_input or self.stopped is not None or self._task is None or not self._inbox.empty():
+            self.post(step)
+            return
+        self._in_input = True
+        try:
+            rest = self._carry_out_at_once(step(self.core))
+            if rest:
+                self.post(lambda _core: rest)
+        except ProtocolViolation as error:  # as the run loop does: nothing raised here reaches the link
+            self._violated(error)
+        except Exception as error:
+            self._failed(error)
+        finally:
+            self._in_input = False
+        if self.stopped is not None:
+            self.post(lambda _core: [])  # wakes the run loop, which ends
 
     async def wait_stopped(self) -> Stopped | None:
         await self._done.wait()
@@ -213,7 +244,7 @@ class MemberShell:
             result.set_result((first, []))
             return actions
 
-        self.post(self._guard(step, result))
+        self.post(self._guard(step, result))  # posted, not offered (the module's docstring says why)
         return self._broadcast_done(result, len(bodies), confirmed)
 
     async def _broadcast_done(
@@ -288,13 +319,37 @@ class MemberShell:
         try:
             while self.stopped is None:
                 step = await self._inbox.get()
-                await self._execute(step(self.core))
+                self._in_input = True
+                try:
+                    await self._execute(step(self.core))
+                finally:
+                    self._in_input = False
         except ProtocolViolation as error:
-            log.error("member %s stopped on a protocol violation: %s", self.id, error)
-            self._finish(Stopped(f"protocol violation: {error}"))
+            self._violated(error)
         except Exception as error:
-            log.exception("member %s failed", self.id)
-            self._finish(Stopped(f"failed: {error!r}"))
+            self._failed(error)
+
+    def _violated(self, error: ProtocolViolation) -> None:
+        log.error("member %s stopped on a protocol violation: %s", self.id, error)
+        self._finish(Stopped(f"protocol violation: {error}"))
+
+    def _failed(self, error: Exception) -> None:
+        log.exception("member %s failed", self.id)
+        self._finish(Stopped(f"failed: {error!r}"))
+
+    def _carry_out_at_once(self, actions: list[Action]) -> list[Action]:
+        """Carry out `actions` in order up to the first that waits or feeds the core; return the rest. With
+        an Activity passed on (`_forward_first`), only its sends go now: the rest wait for the run loop."""
+        if _forward_first(actions):
+            for action in actions:
+                if isinstance(action, SendRight):
+                    self._carry_out(action)
+            return [action for action in actions if not isinstance(action, SendRight)]
+        for index, action in enumerate(actions):
+            if isinstance(action, _WAITS_OR_FEEDS):
+                return actions[index:]
+            self._carry_out(action)
+        return []
 
     async def _execute(self, actions: list[Action]) -> None:
         pending = list(actions)
@@ -312,7 +367,19 @@ class MemberShell:
 
     async def _perform(self, action: Action) -> list[Action]:
         core = self.core
-        group = core.group_name
+        if isinstance(action, ReadGroup):
+            return core.on_group(await self.host.read_group(core.group_name))
+        if isinstance(action, WriteGroup):
+            outcome, written = await self.host.change_group(core.group_name, action.change)
+            _log_write(core.group_name, action, outcome, written)
+            return core.on_group_written(outcome, written)
+        if isinstance(action, ChooseLeft):
+            return core.join_via(random.choice(action.candidates))
+        self._carry_out(action)
+        return []
+
+    def _carry_out(self, action: Action) -> None:
+        """Carry out an action that neither waits nor feeds the core (any but `_WAITS_OR_FEEDS`)."""
         if isinstance(action, SendRight):
             if isinstance(action.message.body, Catchup):
                 log.debug(
@@ -331,12 +398,6 @@ class MemberShell:
             self._joining_since = None
             self.joined.set()
             self.events(action)
-        elif isinstance(action, ReadGroup):
-            return core.on_group(await self.host.read_group(group))
-        elif isinstance(action, WriteGroup):
-            outcome, written = await self.host.change_group(group, action.change)
-            _log_write(group, action, outcome, written)
-            return core.on_group_written(outcome, written)
         elif isinstance(action, StartFlushTimer):
             # Publications go as soon as this input is done when the link to the right is idle (waiting
             # gains nothing), or when they are few (SMALL_FLUSH_BYTES: light traffic, where a message's
@@ -350,7 +411,7 @@ class MemberShell:
                 if not self._acks_flush_armed:
                     self._acks_flush_armed = True
                     loop.call_later(max(ACKS_ALONE_WAIT_SECONDS, self.host.flush_interval), self._acks_flush_due)
-                return []
+                return
             idle = self.neighbours is not None and self.host.link_idle(self.neighbours.right_node)
             if not action.acks_only and (idle or action.buffered_bytes < SMALL_FLUSH_BYTES):
                 if not self._flush_soon:
@@ -359,8 +420,6 @@ class MemberShell:
             elif not self._flush_armed:
                 self._flush_armed = True
                 loop.call_later(self.host.flush_interval, self._flush_later_due)
-        elif isinstance(action, ChooseLeft):
-            return core.join_via(random.choice(action.candidates))
         elif isinstance(action, RequestAddOnRight):
             self._note_slow_join(action.left, action.node)
             task = asyncio.ensure_future(self._request_add(action.left, action.node))
@@ -385,7 +444,6 @@ class MemberShell:
                 self.host.neighbours_changed()
         elif isinstance(action, Stopped):
             self._finish(action)
-        return []
 
     def _note_slow_join(self, left: str, node: str) -> None:
         """Log, every SLOW_JOIN_NOTE_SECONDS, a join that has not succeeded yet (it asks `left` now)."""
@@ -406,15 +464,15 @@ class MemberShell:
 
     def _flush_due(self) -> None:
         self._flush_soon = False
-        self.post(lambda core: core.flush())
+        self.post(_flush)
 
     def _flush_later_due(self) -> None:
         self._flush_armed = False
-        self.post(lambda core: core.flush())
+        self.post(_flush)
 
     def _acks_flush_due(self) -> None:
         self._acks_flush_armed = False
-        self.post(lambda core: core.flush())
+        self.post(_flush)
 
     def _confirm(self, through: int) -> None:
         self._confirmed_through = max(self._confirmed_through, through)
@@ -496,6 +554,14 @@ class MemberShell:
         callbacks, self._finished_callbacks = self._finished_callbacks, []
         for callback in callbacks:
             callback()
+
+
+# Actions that wait (for the group table) or give the core a new input: carried out by the run loop only.
+_WAITS_OR_FEEDS = (ReadGroup, WriteGroup, ChooseLeft)
+
+
+def _flush(core: RingMember) -> list[Action]:
+    return core.flush()
 
 
 def _forward_first(actions: list[Action]) -> bool:
