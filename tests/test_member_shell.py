@@ -12,6 +12,7 @@ from services.gm.messages import (
     Action,
     Activity,
     Catchup,
+    Confirmed,
     Deliver,
     PublisherActivity,
     RingMessage,
@@ -314,5 +315,58 @@ def test_a_failure_in_an_input_taken_at_once_stops_the_member_not_the_link() -> 
         assert shell.stopped is not None and "a bug" in shell.stopped.reason
         assert isinstance(events[-1], Stopped)
         await asyncio.wait_for(shell._task, 1)  # the run loop ends too
+
+    asyncio.run(scenario())
+
+
+class NumberingCore:
+    """A core that numbers broadcasts from 1 and returns no actions (the shell's side of a broadcast)."""
+
+    id = "node1.a"
+    group_name = "g"
+
+    def __init__(self) -> None:
+        self.next_seq = 1
+
+    def broadcast(self, bodies: list[bytes]) -> tuple[int, list[Action]]:
+        first, self.next_seq = self.next_seq, self.next_seq + len(bodies)
+        return first, []
+
+
+def test_a_confirmed_broadcasts_caller_is_called_from_the_input_that_confirmed_it() -> None:
+    """A queue's step completed a turn after its ring round ended: the task awaiting the broadcast woke
+    only then. `broadcast_then` calls back from the confirming input itself, in order, and never once
+    the member stopped."""
+
+    async def scenario() -> None:
+        calls: list[tuple[int, int]] = []
+        shell = MemberShell(RecordingHost([]), NumberingCore(), lambda e: None)  # type: ignore[arg-type]
+        shell._task = asyncio.ensure_future(shell._run())
+        shell.broadcast_then([b"a", b"b"], True, lambda first, last: calls.append((first, last)))
+        shell.broadcast_then([b"c"], True, lambda first, last: calls.append((first, last)))
+        shell.broadcast_then([b"d"], True, lambda first, last: calls.append((first, last)))
+        for _ in range(3):
+            await asyncio.sleep(0)
+        assert calls == []  # taken, not confirmed
+        shell.offer(lambda core: [Confirmed(3)])
+        assert calls == [(1, 2), (3, 3)]  # before offer returned
+        shell._finish(Stopped("recorded dead"))
+        shell._confirm(4)
+        assert calls == [(1, 2), (3, 3)]
+        shell._task.cancel()
+
+    asyncio.run(scenario())
+
+
+def test_an_unconfirmed_broadcasts_caller_is_told_its_numbers_once_taken() -> None:
+    async def scenario() -> None:
+        calls: list[tuple[int, int]] = []
+        shell = MemberShell(RecordingHost([]), NumberingCore(), lambda e: None)  # type: ignore[arg-type]
+        shell._task = asyncio.ensure_future(shell._run())
+        shell.broadcast_then([b"a", b"b", b"c"], False, lambda first, last: calls.append((first, last)))
+        for _ in range(3):
+            await asyncio.sleep(0)
+        assert calls == [(1, 3)]
+        shell._task.cancel()
 
     asyncio.run(scenario())

@@ -33,6 +33,7 @@ is not hosted on its node means it is gone; "not ready" means choose again.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import random
 import time
@@ -168,6 +169,8 @@ class MemberShell:
         self._done = asyncio.Event()
         self._inbox: asyncio.Queue[Callable[[RingMember], list[Action]]] = asyncio.Queue()
         self._confirms: list[tuple[int, asyncio.Future[None]]] = []
+        # `broadcast_then`'s callers to call once the ring confirmed through a seq, in seq order.
+        self._confirm_calls: list[tuple[int, Callable[[], None]]] = []
         self._confirmed_through = 0
         self._add_replies: dict[str, asyncio.Future[Group | None]] = {}
         self._joining_since: float | None = None
@@ -246,6 +249,33 @@ class MemberShell:
 
         self.post(self._guard(step, result))  # posted, not offered (the module's docstring says why)
         return self._broadcast_done(result, len(bodies), confirmed)
+
+    def broadcast_then(self, bodies: list[bytes], confirmed: bool, then: Callable[[int, int], None]) -> None:
+        """`broadcast_now` for a caller that would rather be called than wait: queue the broadcast now, and
+        call `then(first, last)` once the core took it and, with `confirmed`, once every live member
+        delivered it, from the input that confirmed it (a queue's step completes in the turn its ring round
+        ended, not a turn later in a task awaiting it). Never called if the member stops first, or if the
+        core refuses the broadcast (logged)."""
+        if self.stopped is not None:
+            raise ConnectionAbortedError(f"member {self.id} stopped: {self.stopped.reason}")
+        count = len(bodies)
+
+        def step(core: RingMember) -> list[Action]:
+            try:
+                first, actions = core.broadcast(bodies)
+            except ProtocolViolation:
+                raise
+            except Exception as error:  # NotJoined
+                log.warning("member %s refused a broadcast of %d bodies: %r", self.id, count, error)
+                return []
+            last = first + count - 1
+            if confirmed and last > self._confirmed_through:
+                self._confirm_calls.append((last, functools.partial(then, first, last)))
+            else:
+                asyncio.get_running_loop().call_soon(then, first, last)
+            return actions
+
+        self.post(step)  # posted, not offered (the module's docstring says why)
 
     async def _broadcast_done(
         self, result: asyncio.Future[tuple[int, list[Action]]], count: int, confirmed: bool
@@ -484,6 +514,14 @@ class MemberShell:
             else:
                 still.append((seq, waiter))
         self._confirms = still
+        calls = self._confirm_calls
+        if calls and calls[0][0] <= through:
+            due = 1
+            while due < len(calls) and calls[due][0] <= through:
+                due += 1
+            self._confirm_calls = calls[due:]
+            for _, call in calls[:due]:
+                call()
 
     async def _request_add(self, left: str, node: str) -> None:
         """Ask `left` to add us; report its answer. Silence is the failure detector's
@@ -539,6 +577,7 @@ class MemberShell:
             if not waiter.done():
                 waiter.set_exception(ConnectionAbortedError(f"member {self.id} stopped: {stopped.reason}"))
         self._confirms = []
+        self._confirm_calls = []  # never called: the caller hears of the stop from its Stopped event
         for call in list(self._calls):
             if not call.done():
                 call.set_exception(ConnectionAbortedError(f"member {self.id} stopped: {stopped.reason}"))

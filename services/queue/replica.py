@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import itertools
 import logging
 import time
@@ -399,17 +400,14 @@ class QueueReplica:
         if tracing.enabled() and effect.confirmed:
             reports = [r for r in effect.reports if not isinstance(r, MirrorSays)]
             traces.enqueued(self.record.name, self.host.node_id, self.record.gm_group, reports)
+        taken = functools.partial(self._broadcast_taken, effect.first_seq, effect.confirmed)
         try:
-            sent = member.broadcast_now([wire.encode(r) for r in effect.reports], confirmed=effect.confirmed)
+            member.broadcast_then([wire.encode(r) for r in effect.reports], effect.confirmed, taken)
         except ConnectionAbortedError:
             return  # the member stopped: its Stopped event follows
-        self._spawn(self._after_broadcast(sent, effect.first_seq, effect.confirmed))
 
-    async def _after_broadcast(self, sent: Awaitable[tuple[int, int]], expected_first: int, confirmed: bool) -> None:
-        try:
-            first, last = await sent
-        except ConnectionAbortedError:
-            return
+    def _broadcast_taken(self, expected_first: int, confirmed: bool, first: int, last: int) -> None:
+        """A broadcast of ours was numbered `first`..`last` and, if `confirmed`, went round the ring."""
         if first != expected_first:
             log.error("queue %s: broadcast numbered %d, expected %d", self.record.name, first, expected_first)
             self._execute(self.core.on_member_stopped("broadcasts out of step with the ring", now_ms()))
