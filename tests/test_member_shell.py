@@ -257,6 +257,7 @@ def test_an_input_offered_to_an_idle_member_is_taken_at_once_and_its_frame_goes_
         await asyncio.sleep(0)  # the run loop waits on the empty inbox
         shell.offer(lambda core: _passed_on(activity))
         assert seen == ["send Activity"]
+        assert shell._inbox.empty()  # what it delivers waits for a callback, not for the member's task
         shell.offer(lambda core: seen.append("the next input") or [])  # type: ignore[func-returns-value]
         assert seen == ["send Activity"]  # queued behind the deliveries
         for _ in range(10):
