@@ -231,6 +231,10 @@ def test_ringqctl_manages_users_over_tls(secure: cluster.ClusterInfo) -> None:
     assert ctl("delete_user", "carol").returncode == 0
     assert "carol" not in ctl("list_users").stdout
     assert ctl("list_permissions", "--user", "carol").stdout.strip().count("\n") == 0  # the header only
+    # A queue of its own keeps "/" in use: the test used to rely on the queues of the tests before it, and
+    # failed when run alone.
+    held = ctl("declare_queue", "ctl.holds-the-vhost")
+    assert held.returncode == 0, held.stderr
     in_use = ctl("delete_vhost", "/")
     assert in_use.returncode == 1 and "FAILED_PRECONDITION" in in_use.stderr, in_use.stderr
 
