@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 
 from services.coordinator.store import Change
-from services.coordinator.watch import ChangeFeed, Resync
+from services.coordinator.watch import ChangeFeed, NudgingStore, Resync
 from tests.memory_store import MemoryStore
 
 
@@ -69,5 +69,37 @@ def test_a_watcher_too_far_behind_is_told_to_resync() -> None:
         assert first == Resync(10)
         assert isinstance(second, Change) and second.key == "late"
         await feed.stop()
+
+    asyncio.run(scenario())
+
+
+def test_a_write_made_through_this_process_reaches_watchers_without_waiting_for_the_poll() -> None:
+    """The feed polled the store every 50 ms, so every record a coordinator wrote (a failed master's
+    successor, say) reached its watchers 25 ms later on average. A write through the `NudgingStore`,
+    from the worker thread the services write from, wakes the feed at once."""
+
+    async def scenario() -> None:
+        store = MemoryStore()
+        feed = ChangeFeed(store, poll_interval=60.0)  # only a nudge can bring the change in time
+        await feed.start()
+        nudging = NudgingStore(store, feed, asyncio.get_running_loop())
+        for round_ in range(3):  # the first poll is done and the feed waits out its interval each time
+            watcher = asyncio.ensure_future(_take(feed, frozenset({"queue"}), 0, 1))
+            await asyncio.sleep(0.05)
+            await asyncio.to_thread(nudging.put, "queue", "q", {"v": round_}, round_)
+            seen = await asyncio.wait_for(watcher, 5)
+            assert isinstance(seen[0], Change) and seen[0].record is not None
+            assert seen[0].record.value == {"v": round_}
+        assert not await asyncio.to_thread(nudging.delete, "queue", "q", 99)  # a conflict: no nudge needed
+        await feed.stop()
+
+    asyncio.run(scenario())
+
+
+def test_a_nudge_that_comes_while_the_feed_polls_is_not_lost() -> None:
+    async def scenario() -> None:
+        feed = ChangeFeed(MemoryStore(), poll_interval=60.0)
+        feed.nudge()  # as if during a poll: the pause after it must not wait
+        await asyncio.wait_for(feed._pause(), 1)
 
     asyncio.run(scenario())

@@ -40,7 +40,7 @@ from services.coordinator.placement_trigger import PlacementTrigger, RecordChang
 from services.coordinator.sqlite_store import SqliteStore
 from services.coordinator.store import MAX_KEY_LENGTH, Store, StoreUnavailable
 from services.coordinator.stream_service import StreamRecordRpcs, keep_stream_lists
-from services.coordinator.watch import ChangeFeed, Resync
+from services.coordinator.watch import ChangeFeed, NudgingStore, Resync
 from services.event_waits import event_or_timeout
 from services.health import Health
 from services.passwords import hash_password
@@ -283,6 +283,7 @@ async def create_server(
         log.info("first start: made the vhost / and the administrator %r%s", user, only)
     feed = ChangeFeed(store)
     await feed.start()
+    store = NudgingStore(store, feed, asyncio.get_running_loop())  # writes made here are watched at once
     passes = PolicyPasses()
     servicer = CoordinatorServicer(store, feed, liveness_ms, passes, max_queues_per_vhost)
     coordinator_pb2_grpc.add_CoordinatorServiceServicer_to_server(servicer, server)

@@ -9,18 +9,23 @@ Guarantees: a watcher sees every change after its starting revision exactly
 once and in order, or, if the changes it needs are gone from the log, a
 `Resync` first (it must re-list, then follows on from the current revision);
 memory is bounded by `history` changes; a slow watcher delays only itself.
+A write made through this process's `NudgingStore` is looked for at once (its
+watchers hear of it without waiting for the next poll: a master's failover
+is a record written here); other coordinators' writes are found by polling.
 """
 
 from __future__ import annotations
 
 import asyncio
+import builtins
 import contextlib
 import logging
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
-from services.coordinator.store import Change, ChangesTrimmed, Store, StoreUnavailable
+from services.coordinator.store import Change, ChangesTrimmed, Record, Store, StoreUnavailable
 
 log = logging.getLogger("ringq.watch")
 NEWEST = 2**62  # a revision past any real one: asks the store only for its latest revision
@@ -43,6 +48,8 @@ class ChangeFeed:
         self._latest = 0
         self._changed = asyncio.Condition()
         self._task: asyncio.Task[None] | None = None
+        self._wake: asyncio.Future[None] | None = None  # ends the pause between polls early
+        self._nudged = False  # a write was made here since the last poll began
 
     async def start(self) -> None:
         _, self._latest = await asyncio.to_thread(self.store.changes_since, NEWEST, 1)
@@ -58,8 +65,29 @@ class ChangeFeed:
     def latest(self) -> int:
         return self._latest
 
+    def nudge(self) -> None:
+        """A write was committed through this process: poll now, not at the end of the pause."""
+        self._nudged = True
+        wake = self._wake
+        if wake is not None and not wake.done():
+            wake.set_result(None)
+
+    async def _pause(self) -> None:
+        """Wait out the poll interval, or less if nudged (also by a nudge during the last poll)."""
+        if self._nudged:
+            return
+        loop = asyncio.get_running_loop()
+        self._wake = wake = loop.create_future()
+        timer = loop.call_later(self.poll_interval, _resolve, wake)
+        try:
+            await wake
+        finally:
+            timer.cancel()
+            self._wake = None
+
     async def _follow(self) -> None:
         while True:
+            self._nudged = False  # what was written before this poll, it finds
             try:
                 changes, latest = await asyncio.to_thread(self.store.changes_since, self._latest, 1000)
             except ChangesTrimmed:
@@ -77,7 +105,7 @@ class ChangeFeed:
                 async with self._changed:
                     self._changed.notify_all()
             if len(changes) < 1000:
-                await asyncio.sleep(self.poll_interval)
+                await self._pause()
 
     def _newer_than(self, cursor: int) -> Callable[[], bool]:
         return lambda: self._latest > cursor
@@ -107,3 +135,47 @@ class ChangeFeed:
             cursor = batch[-1].revision if batch else max(cursor, min(self._latest, oldest - 1))
             async with self._changed:
                 await self._changed.wait_for(self._newer_than(cursor))
+
+
+def _resolve(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
+
+
+class NudgingStore:
+    """`store`, nudging `feed` after every write through it that took effect, from whichever thread made
+    it (the coordinator's services write from worker threads)."""
+
+    def __init__(self, store: Store, feed: ChangeFeed, loop: asyncio.AbstractEventLoop) -> None:
+        self._store = store
+        self._feed = feed
+        self._loop = loop
+        self.kind_name = store.kind_name
+
+    def _nudge(self) -> None:
+        with contextlib.suppress(RuntimeError):  # the loop closed: nobody is watching any more
+            self._loop.call_soon_threadsafe(self._feed.nudge)
+
+    def get(self, kind: str, key: str) -> Record | None:
+        return self._store.get(kind, key)
+
+    def list(self, kind: str) -> builtins.list[Record]:
+        return self._store.list(kind)
+
+    def put(self, kind: str, key: str, value: Mapping[str, Any], expected_version: int) -> Record | None:
+        record = self._store.put(kind, key, value, expected_version)
+        if record is not None:
+            self._nudge()
+        return record
+
+    def delete(self, kind: str, key: str, expected_version: int) -> bool:
+        deleted = self._store.delete(kind, key, expected_version)
+        if deleted:
+            self._nudge()
+        return deleted
+
+    def changes_since(self, revision: int, limit: int = 1000) -> tuple[builtins.list[Change], int]:
+        return self._store.changes_since(revision, limit)
+
+    def close(self) -> None:
+        self._store.close()
