@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
 from services.coordinator.store import Change
 from services.coordinator.watch import ChangeFeed, NudgingStore, Resync
@@ -103,3 +104,34 @@ def test_a_nudge_that_comes_while_the_feed_polls_is_not_lost() -> None:
         await asyncio.wait_for(feed._pause(), 1)
 
     asyncio.run(scenario())
+
+
+def test_the_feed_polls_slowly_only_while_no_other_coordinators_registration_comes_through() -> None:
+    """An idle coordinator spent half of its CPU polling every 50 ms for writes nobody else made (its own
+    are nudged). It polls every `lone_poll_interval` once no other coordinator's registration has come
+    through the log for the silence it is given, and every `poll_interval` again from the first one."""
+
+    async def scenario() -> None:
+        store = MemoryStore()
+        feed = ChangeFeed(store, poll_interval=0.01, lone_poll_interval=30.0)
+        await feed.start()
+        feed.watch_peers("coordinator", "127.0.0.1:1", silence_seconds=0.1)
+        assert not feed.alone  # a peer may have registered just before this one started
+        store.put("coordinator", "127.0.0.1:1", {"at_unix_ms": 1}, 0)  # its own registration
+        await asyncio.sleep(0.15)
+        assert feed.alone
+        store.put("coordinator", "127.0.0.1:2", {"at_unix_ms": 1}, 0)  # another coordinator registers
+        feed.nudge()  # the next slow poll, without waiting 30 s for it
+        await asyncio.wait_for(_until(lambda: not feed.alone), 5)
+        watcher = asyncio.ensure_future(_take(feed, frozenset({"queue"}), 0, 1))
+        await asyncio.sleep(0.03)
+        store.put("queue", "q", {"v": 1}, 0)  # the other's write: found by the next fast poll
+        await asyncio.wait_for(watcher, 10)  # within the 30 s of a slow one
+        await feed.stop()
+
+    asyncio.run(scenario())
+
+
+async def _until(condition: Callable[[], bool]) -> None:
+    while not condition():
+        await asyncio.sleep(0.005)

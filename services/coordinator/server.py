@@ -299,6 +299,7 @@ async def create_server(
         raise OSError(f"cannot listen on {address}: {error}") from None
     await server.start()
     advertised = f"{address.rsplit(':', 1)[0]}:{port}"
+    feed.watch_peers(COORDINATOR, advertised, liveness_ms / 1000)  # registrations refresh 3 times in it
     _background.add(asyncio.ensure_future(_register_coordinator(store, advertised, liveness_ms, health)))
     _background.add(asyncio.ensure_future(_keep_queues_placed(store, feed, liveness_ms, passes)))
     _background.add(asyncio.ensure_future(keep_stream_lists(store, feed, liveness_ms)))
