@@ -187,6 +187,27 @@ def _passed_on(body: Activity | Catchup) -> list[Action]:
     ]
 
 
+def _running_shell(seen: list[str]) -> MemberShell:
+    """A member shell whose run loop is started, noting in `seen` what reaches its link and application."""
+
+    def event(action: object) -> None:
+        seen.append(f"deliver {action.first_seq}" if isinstance(action, Deliver) else type(action).__name__)
+
+    shell = MemberShell(RecordingHost(seen), RingMember("g", "node1.a", "node1"), event)  # type: ignore[arg-type]
+    shell._task = asyncio.ensure_future(shell._run())
+    return shell
+
+
+async def _settled_in_order(shell: MemberShell, seen: list[str]) -> None:
+    """After a few turns of the loop: the frame went to the link, the writer had its turn, the publications
+    reached the application, and only then the member's next input was taken; the run loop is stopped."""
+    for _ in range(10):
+        await asyncio.sleep(0)
+    assert seen == ["send Activity", "the writer's turn", "deliver 5", "the next input"]
+    assert shell._task is not None
+    shell._task.cancel()
+
+
 def test_a_frame_passed_on_goes_to_the_link_before_its_publications_reach_the_application() -> None:
     """Each mirror held a passing frame while it applied its publications (W2 at 2,000 msgs/s: 0.2 ms a
     mirror from read to write). The frame now goes to the link first, and the link's writer gets one turn
@@ -196,18 +217,10 @@ def test_a_frame_passed_on_goes_to_the_link_before_its_publications_reach_the_ap
     async def scenario() -> None:
         seen: list[str] = []
         activity = Activity([PublisherActivity("node2.b", 5, [b"m5", b"m6"], 0)])
-
-        def event(action: object) -> None:
-            seen.append(f"deliver {action.first_seq}" if isinstance(action, Deliver) else type(action).__name__)
-
-        shell = MemberShell(RecordingHost(seen), RingMember("g", "node1.a", "node1"), event)  # type: ignore[arg-type]
-        shell._task = asyncio.ensure_future(shell._run())
+        shell = _running_shell(seen)
         shell.post(lambda core: _passed_on(activity))
         shell.post(lambda core: seen.append("the next input") or [])  # type: ignore[func-returns-value]
-        for _ in range(10):
-            await asyncio.sleep(0)
-        assert seen == ["send Activity", "the writer's turn", "deliver 5", "the next input"]
-        shell._task.cancel()
+        await _settled_in_order(shell, seen)
 
     asyncio.run(scenario())
 
@@ -248,22 +261,14 @@ def test_an_input_offered_to_an_idle_member_is_taken_at_once_and_its_frame_goes_
     async def scenario() -> None:
         seen: list[str] = []
         activity = Activity([PublisherActivity("node2.b", 5, [b"m5", b"m6"], 0)])
-
-        def event(action: object) -> None:
-            seen.append(f"deliver {action.first_seq}" if isinstance(action, Deliver) else type(action).__name__)
-
-        shell = MemberShell(RecordingHost(seen), RingMember("g", "node1.a", "node1"), event)  # type: ignore[arg-type]
-        shell._task = asyncio.ensure_future(shell._run())
+        shell = _running_shell(seen)
         await asyncio.sleep(0)  # the run loop waits on the empty inbox
         shell.offer(lambda core: _passed_on(activity))
         assert seen == ["send Activity"]
         assert shell._inbox.empty()  # what it delivers waits for a callback, not for the member's task
         shell.offer(lambda core: seen.append("the next input") or [])  # type: ignore[func-returns-value]
         assert seen == ["send Activity"]  # queued behind the deliveries
-        for _ in range(10):
-            await asyncio.sleep(0)
-        assert seen == ["send Activity", "the writer's turn", "deliver 5", "the next input"]
-        shell._task.cancel()
+        await _settled_in_order(shell, seen)
 
     asyncio.run(scenario())
 
