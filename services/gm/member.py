@@ -170,9 +170,9 @@ class MemberShell:
         self.stopped: Stopped | None = None
         self._done = asyncio.Event()
         self._inbox: asyncio.Queue[Callable[[RingMember], list[Action]]] = asyncio.Queue()
-        self._confirms: list[tuple[int, asyncio.Future[None]]] = []
-        # `broadcast_then`'s callers to call once the ring confirmed through a seq, in seq order.
-        self._confirm_calls: list[tuple[int, Callable[[], None]]] = []
+        # Who waits for the ring to confirm through a seq: called with None then, or with the error once
+        # the member stops first (`broadcast_now`'s awaiting callers and `broadcast_then`'s callbacks).
+        self._confirms: list[tuple[int, Callable[[Exception | None], None]]] = []
         self._confirmed_through = 0
         self._add_replies: dict[str, asyncio.Future[Group | None]] = {}
         self._joining_since: float | None = None
@@ -305,7 +305,7 @@ class MemberShell:
                 return []
             last = first + count - 1
             if confirmed and last > self._confirmed_through:
-                self._confirm_calls.append((last, functools.partial(then, first, last)))
+                self._confirms.append((last, functools.partial(_call_unless_stopped, then, first, last)))
             else:
                 asyncio.get_running_loop().call_soon(then, first, last)
             return actions
@@ -322,7 +322,7 @@ class MemberShell:
                 # Stopped in the same pass that took the broadcast: _finish already failed the waiters.
                 raise ConnectionAbortedError(f"member {self.id} stopped: {self.stopped.reason}")
             waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-            self._confirms.append((last, waiter))
+            self._confirms.append((last, functools.partial(_settle, waiter)))
             await waiter
         return first, last
 
@@ -537,22 +537,12 @@ class MemberShell:
 
     def _confirm(self, through: int) -> None:
         self._confirmed_through = max(self._confirmed_through, through)
-        still: list[tuple[int, asyncio.Future[None]]] = []
-        for seq, waiter in self._confirms:
-            if seq <= through:
-                if not waiter.done():
-                    waiter.set_result(None)
-            else:
-                still.append((seq, waiter))
-        self._confirms = still
-        calls = self._confirm_calls
-        if calls and calls[0][0] <= through:
-            due = 1
-            while due < len(calls) and calls[due][0] <= through:
-                due += 1
-            self._confirm_calls = calls[due:]
-            for _, call in calls[:due]:
-                call()
+        if not any(seq <= through for seq, _ in self._confirms):
+            return
+        due = [call for seq, call in self._confirms if seq <= through]
+        self._confirms = [(seq, call) for seq, call in self._confirms if seq > through]
+        for call in due:
+            call(None)
 
     async def _request_add(self, left: str, node: str) -> None:
         """Ask `left` to add us; report its answer. Silence is the failure detector's
@@ -604,11 +594,9 @@ class MemberShell:
         if self.stopped is not None:
             return
         self.stopped = stopped
-        for _, waiter in self._confirms:
-            if not waiter.done():
-                waiter.set_exception(ConnectionAbortedError(f"member {self.id} stopped: {stopped.reason}"))
-        self._confirms = []
-        self._confirm_calls = []  # never called: the caller hears of the stop from its Stopped event
+        waiting, self._confirms = self._confirms, []
+        for _, waiter in waiting:
+            waiter(ConnectionAbortedError(f"member {self.id} stopped: {stopped.reason}"))
         for call in list(self._calls):
             if not call.done():
                 call.set_exception(ConnectionAbortedError(f"member {self.id} stopped: {stopped.reason}"))
@@ -624,6 +612,22 @@ class MemberShell:
         callbacks, self._finished_callbacks = self._finished_callbacks, []
         for callback in callbacks:
             callback()
+
+
+def _settle(waiter: asyncio.Future[None], error: Exception | None) -> None:
+    """A confirm waiter of `broadcast_now`'s: done, or failed with the member's stop."""
+    if waiter.done():
+        return
+    if error is None:
+        waiter.set_result(None)
+    else:
+        waiter.set_exception(error)
+
+
+def _call_unless_stopped(then: Callable[[int, int], None], first: int, last: int, error: Exception | None) -> None:
+    """A confirm waiter of `broadcast_then`'s: its caller hears of a stop from the member's Stopped event."""
+    if error is None:
+        then(first, last)
 
 
 # Actions that wait (for the group table) or give the core a new input: carried out by the run loop only.
