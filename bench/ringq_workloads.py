@@ -12,8 +12,11 @@ the clients and the cluster differ:
 
 - Cluster: `services.cluster.up(3, ...)` on 127.0.0.1 with default node settings (only the log
   level set, `NODE_ARGS`), one coordinator; the policy `ha` (`^ha\\.`, ha-mode all, ha-sync-mode
-  automatic) is set through the coordinator. A queue is declared (durable) through node1, so its
-  master is on node1, and every workload waits until both mirrors are synchronised before it starts.
+  automatic) is set through the coordinator. Each node is bound to one CPU, round-robin over the CPUs
+  (`RingqCluster.bind_nodes`, as `taskset` would), as docs/configuration.md recommends deploying nodes;
+  "W2 at the fixed rate, nodes unbound" and W3 run with the nodes unbound, their default placement. A
+  queue is declared (durable) through node1, so its master is on node1, and every workload waits until
+  both mirrors are synchronised before it starts.
 - Client: the Python ringq SDK's asyncio API (clients/python/ringq/aio.py, `ringq.aio.Connection`)
   over gRPC asyncio, producer and consumer in two separate processes (multiprocessing "spawn"), both
   connected to the master's node first and failing over to the next node in order.
@@ -66,6 +69,7 @@ from typing import Any, Self
 import grpc
 
 from bench.ack_batching import BATCHED, EACH, Ack, AckBatching, AckPolicy, AckTimer
+from bench.cpu_binding import available_cpus, bind_threads, round_robin
 from bench.reference.rabbitmq_workloads import (
     FIXED_RATE,
     HEADER,
@@ -73,6 +77,7 @@ from bench.reference.rabbitmq_workloads import (
     NS,
     PAYLOAD_SIZE,
     PREFETCH,
+    WORKLOAD_ACKS,
     WORKLOADS,
     AsyncWindowProducer,
     ConsumerReport,
@@ -93,6 +98,7 @@ from bench.reference.rabbitmq_workloads import (
     run_producer,
     w1_result,
     w2_result,
+    workload_name,
 )
 from ringq import aio
 from ringq.aio import STREAM_RETRYABLE
@@ -103,6 +109,11 @@ from services import certs, cluster
 
 NODES = 3
 NODE_ARGS = ("--log-level", "WARNING")  # default settings otherwise
+# The reference's workloads, and W2 at the fixed rate again with the nodes unbound (before W3: it kills a node).
+# The others run with each node bound to a CPU of its own, as docs/configuration.md recommends deploying them;
+# these two leave the nodes' placement to the system, as by default (W3 at default settings, as issue 13 asks).
+RINGQ_WORKLOADS = (*WORKLOADS[:-1], "w2rate_unbound", WORKLOADS[-1])
+UNBOUND_WORKLOADS = ("w2rate_unbound", "w3")
 POLICY_NAME = "ha"
 POLICY_PATTERN = r"^ha\."
 POLICY = {"ha-mode": "all", "ha-sync-mode": "automatic"}
@@ -135,10 +146,14 @@ class RingqCluster:
     mirroring policy set; a context manager that stops every process it started. With `tls`, every
     member uses mutual TLS and the clients TLS and the seeded user guest (from loopback)."""
 
-    def __init__(self, size: int = NODES, node_args: Sequence[str] = NODE_ARGS, *, tls: bool = False) -> None:
+    def __init__(
+        self, size: int = NODES, node_args: Sequence[str] = NODE_ARGS, *, tls: bool = False, bind: bool = False
+    ) -> None:
         self.size = size
         self.node_args = tuple(node_args)
         self.tls = tls
+        self.bind = bind  # each node on a CPU of its own, round-robin (`bind_nodes`), while this holds
+        self.placement: dict[str, int] = {}  # the CPU of each node when last bound
         self.access = PLAINTEXT
         self._directory: Path | None = None
         self.info: cluster.ClusterInfo | None = None
@@ -151,6 +166,8 @@ class RingqCluster:
                 ca = certs.ca_paths(self.info.tls_dir).certificate
                 self.access = Access(TLS(ca=str(ca)), Credentials("guest", "guest"))
             asyncio.run(self._configure())
+            if self.bind:
+                self.bind_nodes()
         except BaseException:
             self.stop()
             raise
@@ -181,6 +198,26 @@ class RingqCluster:
         """Stop every process and start a fresh cluster (new directory, same settings)."""
         self.stop()
         self.__enter__()
+
+    def bind_nodes(self) -> dict[str, int]:
+        """Bind every thread of each node to one CPU, round-robin over the CPUs this process may use (node1 on
+        the first, node2 on the next, ...), as docs/configuration.md recommends placing co-located nodes;
+        the coordinator stays unbound. Returns each node's CPU."""
+        placement = round_robin(self.node_names, available_cpus())
+        for node, cpu in placement.items():
+            bind_threads(self._info().process(node).pid, {cpu})
+        self.bind = True
+        self.placement = placement
+        return placement
+
+    def unbind_nodes(self) -> None:
+        """Let every live node run on any CPU this process may use again (the default placement)."""
+        cpus = available_cpus()
+        for process in self._info().nodes:
+            if cluster.is_alive(process):
+                with contextlib.suppress(FileNotFoundError, ProcessLookupError):  # it died since
+                    bind_threads(process.pid, cpus)
+        self.bind = False
 
     def _info(self) -> cluster.ClusterInfo:
         if self.info is None:
@@ -915,7 +952,7 @@ def run_ringq(
     *,
     quick: bool = False,
     durations: Durations | None = None,
-    only: Sequence[str] = WORKLOADS,
+    only: Sequence[str] = RINGQ_WORKLOADS,
     rate: float = FIXED_RATE,
     progress: Callable[[str], None] | None = None,
     stop_requested: Callable[[], bool] = lambda: False,
@@ -924,19 +961,31 @@ def run_ringq(
 
     `stop_requested` is asked before each workload (KeyboardInterrupt if it says so): an interrupt that
     gRPC turned into a cancelled call somewhere below still ends the run."""
-    check_workloads(only)
+    check_workloads(only, RINGQ_WORKLOADS)
     durations = durations or (Durations.quick() if quick else Durations())
     say = progress or (lambda _message: None)
     version, commit = ringq_version()
     say(f"starting a {NODES}-node ringq cluster on 127.0.0.1")
-    with RingqCluster(NODES) as rc:
+    with RingqCluster(NODES, bind=True) as rc:
         say(f"ringq {version} ({commit}): {', '.join(rc.node_names)} and a coordinator in {rc.directory}")
+        placement = ", ".join(f"{node} on CPU {cpu}" for node, cpu in rc.placement.items())
         steps = queue_steps(partial(run_w1, rc), partial(run_w2, rc), partial(run_w3, rc), durations, rate, "ha.")
+        steps["w2rate_unbound"] = partial(
+            run_w2,
+            rc,
+            durations,
+            rate=rate,
+            queue="ha.w2rate_unbound",
+            acks=WORKLOAD_ACKS["w2rate"],
+            name=workload_name("w2rate_unbound", rate),
+        )
         results: list[WorkloadResult] = []
-        for key in WORKLOADS:
+        for key in RINGQ_WORKLOADS:
             if key in only:
                 if stop_requested():
                     raise KeyboardInterrupt
+                if key in UNBOUND_WORKLOADS:
+                    rc.unbind_nodes()
                 say(f"running {key}")
                 offsets = rc.log_offsets()
                 try:
@@ -950,7 +999,9 @@ def run_ringq(
                     result.notes += f"; the nodes logged {len(problems)} warnings/errors, e.g. {shown}"
                 results.append(result)
     setup = (
-        f"{NODES} nodes and a coordinator on 127.0.0.1 (default settings, node flags {' '.join(NODE_ARGS)}), "
+        f"{NODES} nodes and a coordinator on 127.0.0.1 (default settings, node flags {' '.join(NODE_ARGS)}; each "
+        f"node bound to one CPU as docs/configuration.md recommends, round-robin: {placement}; unbound in "
+        f"{workload_name('w2rate_unbound', rate)} and W3), "
         f"queues mirrored by policy `{POLICY_NAME}` (`{POLICY_PATTERN}`, {json.dumps(POLICY)}); Python ringq SDK "
         f"(ringq.aio, gRPC asyncio), producer and consumer in separate processes; {PAYLOAD_SIZE}-byte transient "
         f"bodies; confirms <= {MAX_IN_FLIGHT} in flight, <= {PUBLISH_BATCH} messages per Publish request; prefetch "

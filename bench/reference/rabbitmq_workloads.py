@@ -1187,7 +1187,14 @@ WORKLOAD_ACKS = {"w2": BATCHED, "w2each": EACH, "w2rate": BATCHED, "w3": EACH}
 
 def workload_name(key: str, rate: float = FIXED_RATE) -> str:
     """The name a workload's results carry ("W1", "W2", "W2 ack each", "W2@2000/s", "W3@2000/s")."""
-    names = {"w1": "W1", "w2": "W2", "w2each": "W2 ack each", "w2rate": f"W2@{rate:g}/s", "w3": f"W3@{rate:g}/s"}
+    names = {
+        "w1": "W1",
+        "w2": "W2",
+        "w2each": "W2 ack each",
+        "w2rate": f"W2@{rate:g}/s",
+        "w2rate_unbound": f"W2@{rate:g}/s unbound",  # ringq's nodes left unplaced (bench/ringq_workloads.py)
+        "w3": f"W3@{rate:g}/s",
+    }
     return names[key]
 
 
