@@ -16,8 +16,8 @@ between Python processes (asyncio, the I/O path services/grpc_io.py chooses):
 
 The relays do the least we know how to do in Python gRPC: a relay never waits for a write before reading on, and
 what queues behind a write goes out with the next one as a single gRPC message (ringq's links do the
-same). Producer and consumer are separate processes, as in `make bench`, and latency runs from each
-message's scheduled send time to its receipt, as there. Shapes and rates take turns, repeated `--runs`
+same). Producer and consumer are separate processes, as in `make bench`, and latency runs from the moment
+the producer hands each message to its stream to its receipt, as there. Shapes and rates take turns, repeated `--runs`
 times; a cell is the median (min-max) of the runs.
 
 The producer paces one of two ways (`--pacing`): `exact` sleeps to each message's own scheduled time (the
@@ -59,7 +59,7 @@ from services.request_guard import EXCLUSIVE_PORT_OPTION
 MARK_BEGIN = "<!-- grpc-floor:begin -->"
 MARK_END = "<!-- grpc-floor:end -->"
 _SERVICE, _METHOD = "floor.Relay", "/floor.Relay/Stream"
-_STAMP = struct.Struct("<Bq")  # the hop index, then the scheduled send time (perf_counter_ns)
+_STAMP = struct.Struct("<Bq")  # the hop index, then the send stamp (perf_counter_ns)
 _LENGTH = struct.Struct("<I")  # each message in a gRPC message is prefixed by its length
 BODY_BYTES = 256
 PRIMING = 0  # the stamp of the messages that dial every link before the timed ones: not counted
@@ -219,9 +219,9 @@ async def _consume(out: Path) -> None:
 async def _produce(
     first: int, rate: float, seconds: float, mark: Callable[[], None], pacing: str = "exact"
 ) -> tuple[int, int]:
-    """Send to port `first` at `rate` for WARM_UP_S + `seconds`, each message stamped with its scheduled send
-    time, then THE_END; the number of timed messages and the scheduled time of the first one. `mark` is
-    called when the timed messages start and when the last one is sent. `pacing`: see the module's text."""
+    """Send to port `first` at `rate` for WARM_UP_S + `seconds`, each message stamped as it is handed to the
+    stream, then THE_END; the number of timed messages and the stamp of the first one. `mark` is called when
+    the timed messages start and when the last one is sent. `pacing`: see the module's text."""
     outbox = _Outbox(first)
     padding = bytes(BODY_BYTES - _STAMP.size)
     for _ in range(20):  # dial every link of the path before the clock starts
@@ -232,6 +232,7 @@ async def _produce(
     warm_up = round(WARM_UP_S * rate)
     total = warm_up + round(seconds * rate)
     sent = 0
+    timed_from = 0
     while sent < total:
         if pacing == "tick":
             due = min(total, (time.perf_counter_ns() - start_ns) // interval_ns + 1)
@@ -241,9 +242,11 @@ async def _produce(
                 await asyncio.sleep(delay)
             due = sent + 1
         while sent < due:
+            stamp = time.perf_counter_ns()
             if sent == warm_up:
                 mark()
-            outbox.put(_STAMP.pack(0, start_ns + sent * interval_ns) + padding)
+                timed_from = stamp
+            outbox.put(_STAMP.pack(0, stamp) + padding)
             sent += 1
         if pacing == "tick":
             await outbox.written()
@@ -251,7 +254,7 @@ async def _produce(
     mark()
     outbox.put(_STAMP.pack(0, THE_END) + padding)
     await outbox.close()
-    return total - warm_up, start_ns + warm_up * interval_ns
+    return total - warm_up, timed_from
 
 
 PACINGS = {
@@ -408,7 +411,7 @@ def section(writes: dict[int, tuple[float, float]], paths: list[PathResult], com
         lines.append(f"| {size:,} bytes | {(user + system) * 1e6:.0f} ({user * 1e6:.0f} + {system * 1e6:.0f}) |")
     lines += [
         "",
-        f"Bare relays, 256-byte messages; latency from the scheduled send time to the consumer's receipt; "
+        f"Bare relays, 256-byte messages; latency from the producer's hand-over to the consumer's receipt; "
         f"median (min-max) of {runs} runs, shapes and rates taking turns:",
         "",
         "| path | producer's pacing | rate, msgs/s | received of sent, all runs | p50 ms | p99 ms "

@@ -21,10 +21,14 @@ Method, the same for every workload:
 - Consumer: prefetch 1000, manual acknowledgements, as the workload says
   (bench/ack_batching.py): batched (one basic.ack with `multiple` every 100
   messages or 50 ms, whichever first, as pika users configure for throughput)
-  or one basic.ack per message. A message's latency is from its send timestamp to its arrival in the
-  consumer's callback. With a fixed rate, the timestamp is the message's
-  scheduled send time, so a stalled producer cannot hide latency (no
-  coordinated omission).
+  or one basic.ack per message. A message's latency is from its send timestamp (the moment the
+  producer hands it to its client library) to its arrival in the consumer's
+  callback. With a fixed rate, each message also has a scheduled send time
+  (time zero + its sequence number / the rate): the latency from it adds the
+  producer's pacing (`pacing_delay`, up to a tick and the producer's own
+  stalls) and is reported beside the first, so a stalled producer cannot hide
+  latency (coordinated omission), and `behind_schedule` counts what it held
+  back.
 - Rates count confirms (W1) or deliveries (W2) whose arrival falls inside the
   measured window, which begins after the warm-up.
 
@@ -101,8 +105,10 @@ class WorkloadResult:
 
     name: str
     rate: float | None = None  # msgs/s: confirmed (W1) or delivered (W2, W3)
-    p50_ms: float | None = None
+    p50_ms: float | None = None  # latency from each message's send stamp
     p99_ms: float | None = None
+    p50_from_schedule_ms: float | None = None  # at a fixed rate: latency from each message's scheduled send time
+    p99_from_schedule_ms: float | None = None
     gap_s: float | None = None  # W3: longest time without a delivery around the kill
     lost: int | None = None  # W3: confirmed but never delivered
     duplicates: int | None = None  # deliveries of an already delivered sequence number
@@ -347,10 +353,8 @@ class _Producer(_PikaClient):
         self._publish_more()  # republishes first
         now = time.monotonic_ns()
         due = int((now - self.report.started_ns) / NS * self.cfg.rate) + 1
-        interval_ns = NS / self.cfg.rate
         while self.next_seq < due and len(self.pending) < self.cfg.max_in_flight:
-            stamp = self.report.started_ns + int(self.next_seq * interval_ns)  # the scheduled send time
-            self._publish(self.next_seq, stamp)
+            self._publish(self.next_seq, time.monotonic_ns())  # stamped as handed to pika (the module's text)
             self.next_seq += 1
         self.report.behind_schedule = max(0, due - self.next_seq)
         self.connection.ioloop.call_later(PACE_TICK_S, self._pace)
@@ -446,7 +450,7 @@ class WindowSettings(Protocol):
 class AsyncWindowProducer:
     """The pika producer's method for an asyncio client: at most `max_in_flight` unconfirmed messages;
     unthrottled, the window kept full (`batch` messages per send at most); paced, every PACE_TICK_S what has
-    fallen due, each message stamped with its scheduled send time; at the window's end, no more sends and
+    fallen due; each message stamped as it is handed to the client; at the window's end, no more sends and
     `confirm_grace_s` at most for the outstanding confirms. A subclass connects, sends (`_send`, the keys of
     `pending`), and reports what its broker confirmed (`settle`, then `counted`)."""
 
@@ -461,7 +465,6 @@ class AsyncWindowProducer:
         self.all_confirmed = asyncio.Event()
         self.finishing = False
         self.done = False
-        self.interval_ns = NS / cfg.rate if cfg.rate else 0.0
 
     def start(self) -> asyncio.Future[None]:
         """Time zero is now: the window starts; returns the task that ends it."""
@@ -486,14 +489,14 @@ class AsyncWindowProducer:
         if not self.pending:
             self.all_confirmed.set()
 
-    def _take(self, count: int, stamp: int | None) -> list[int]:
-        """Number the next `count` messages and put them in the window; `stamp` None: each one's scheduled time."""
+    def _take(self, count: int, stamp: int) -> list[int]:
+        """Number the next `count` messages, stamped `stamp` (now: they are handed to the client), and put them
+        in the window."""
         keys = []
         for _ in range(count):
             seq = self.next_seq
             self.next_seq += 1
-            sent = stamp if stamp is not None else self.report.started_ns + int(seq * self.interval_ns)
-            self.pending[seq + 1] = (seq, sent)
+            self.pending[seq + 1] = (seq, stamp)
             keys.append(seq + 1)
         return keys
 
@@ -519,7 +522,7 @@ class AsyncWindowProducer:
             due = int((time.monotonic_ns() - self.report.started_ns) / NS * self.cfg.rate) + 1
             while self.next_seq < due and len(self.pending) < self.cfg.max_in_flight:
                 count = min(self.cfg.batch, due - self.next_seq, self.cfg.max_in_flight - len(self.pending))
-                await self._send(self._take(count, None))
+                await self._send(self._take(count, time.monotonic_ns()))
             self.report.behind_schedule = max(0, due - self.next_seq)
             await asyncio.sleep(PACE_TICK_S)
 
@@ -984,18 +987,60 @@ def _run_pair(
     return outcome
 
 
-def _latencies_ms(consumer: ConsumerReport, start_ns: int, end_ns: int) -> list[float]:
-    """Latencies of first deliveries received in [start_ns, end_ns), sorted."""
+def scheduled_ns(started_ns: int, rate: float, seq: int) -> int:
+    """When a producer paced at `rate` from `started_ns` (time zero) is due to send message `seq`."""
+    return started_ns + int(seq * NS / rate)
+
+
+def _first_deliveries(consumer: ConsumerReport, start_ns: int, end_ns: int) -> list[tuple[int, int, int]]:
+    """(received, send stamp, sequence number) of each first delivery received in [start_ns, end_ns)."""
     seen: set[int] = set()
-    out: list[float] = []
+    out: list[tuple[int, int, int]] = []
     for received, sent, seq in zip(consumer.received_ns, consumer.sent_ns, consumer.seqs, strict=True):
         if seq in seen:
             continue
         seen.add(seq)
         if start_ns <= received < end_ns:
-            out.append((received - sent) / 1e6)
-    out.sort()
+            out.append((received, sent, seq))
     return out
+
+
+def _latencies_ms(consumer: ConsumerReport, start_ns: int, end_ns: int) -> list[float]:
+    """Latencies from the send stamp of first deliveries received in [start_ns, end_ns), sorted."""
+    return sorted((received - sent) / 1e6 for received, sent, _ in _first_deliveries(consumer, start_ns, end_ns))
+
+
+@dataclass(frozen=True)
+class ScheduleFigures:
+    """At a fixed rate, for the first deliveries of a window: the latency from each message's scheduled send
+    time (p50, p99), and the producer's pacing delay, from the scheduled time to the send stamp (p50, p99), ms."""
+
+    p50_ms: float
+    p99_ms: float
+    pacing_p50_ms: float
+    pacing_p99_ms: float
+
+    def note(self) -> str:
+        return (
+            f"from the scheduled send time p50 {self.p50_ms:.2f} p99 {self.p99_ms:.2f} ms (producer's pacing delay "
+            f"p50 {self.pacing_p50_ms:.2f} p99 {self.pacing_p99_ms:.2f} ms)"
+        )
+
+
+def schedule_figures(
+    consumer: ConsumerReport, started_ns: int, rate: float, start_ns: int, end_ns: int
+) -> ScheduleFigures | None:
+    """`ScheduleFigures` of the first deliveries received in [start_ns, end_ns) of a producer paced at `rate` from
+    `started_ns`; None if there were none."""
+    firsts = _first_deliveries(consumer, start_ns, end_ns)
+    if not firsts:
+        return None
+    due = [scheduled_ns(started_ns, rate, seq) for _, _, seq in firsts]
+    latencies = sorted((received - at) / 1e6 for (received, _, _), at in zip(firsts, due, strict=True))
+    delays = sorted((sent - at) / 1e6 for (_, sent, _), at in zip(firsts, due, strict=True))
+    return ScheduleFigures(
+        percentile(latencies, 0.50), percentile(latencies, 0.99), percentile(delays, 0.50), percentile(delays, 0.99)
+    )
 
 
 def run_w2(
@@ -1038,6 +1083,7 @@ def w2_result(
     start, end = producer.window_start_ns, producer.window_end_ns
     delivered = sum(1 for t in consumer.received_ns if start <= t < end)
     latencies = _latencies_ms(consumer, start, end)
+    scheduled = None if rate is None else schedule_figures(consumer, producer.started_ns, rate, start, end)
     notes = [
         f"{delivered} delivered in {durations.measure_s:g} s after {durations.warmup_s:g} s warm-up",
         f"confirmed {producer.confirmed_in_window / durations.measure_s:.0f}/s",
@@ -1046,6 +1092,8 @@ def w2_result(
         _cpu_note("consumer", consumer.cpu_s, consumer.wall_s),
         _cores_note(run.broker_cores),
     ]
+    if scheduled is not None:
+        notes.append(scheduled.note())
     if rate is not None and producer.behind_schedule:
         notes.append(f"producer {producer.behind_schedule} msgs behind schedule at the end")
     notes.extend(extra_notes[1:])
@@ -1057,6 +1105,8 @@ def w2_result(
         rate=delivered / durations.measure_s,
         p50_ms=percentile(latencies, 0.50) if latencies else None,
         p99_ms=percentile(latencies, 0.99) if latencies else None,
+        p50_from_schedule_ms=scheduled.p50_ms if scheduled is not None else None,
+        p99_from_schedule_ms=scheduled.p99_ms if scheduled is not None else None,
         duplicates=len(consumer.seqs) - len(set(consumer.seqs)),
         broker_cores=run.broker_cores,
         notes=", ".join(n for n in notes if n),
