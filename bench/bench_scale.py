@@ -27,6 +27,9 @@ this process says go, so the aggregate counts confirms in one common window afte
 
 from __future__ import annotations
 
+import ringq  # noqa: F401 (first, as a user's program would: the SDK chooses gRPC's I/O path before grpc loads)
+
+# isort: split
 import argparse
 import asyncio
 import contextlib

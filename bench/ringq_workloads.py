@@ -45,6 +45,9 @@ restarted after every second such failure); the notes say so.
 
 from __future__ import annotations
 
+import ringq  # noqa: F401 (first, as a user's program would: the SDK chooses gRPC's I/O path before grpc loads)
+
+# isort: split
 import asyncio
 import contextlib
 import json

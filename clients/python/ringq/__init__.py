@@ -10,6 +10,7 @@ coordinator. Results are `ringq.models` dataclasses, failures
 
 from ringq import (
     _fork_safety,  # noqa: F401  (first: before anything imports grpc)
+    _grpc_io,  # noqa: F401  (first too: gRPC's I/O path is chosen before grpc loads)
     errors,
     models,
 )
