@@ -10,6 +10,3 @@ import. The operator's GRPC_EXPERIMENTS, even an empty one, wins.
 from __future__ import annotations
 
 import ringq  # noqa: F401 (its first import, ringq._grpc_io, chooses the I/O path before grpc loads)
-from ringq._grpc_io import POLLER_IO_EXPERIMENTS, prefer_poller_io
-
-__all__ = ["POLLER_IO_EXPERIMENTS", "prefer_poller_io"]

@@ -25,8 +25,8 @@ Method, the same for every workload:
   producer hands it to its client library) to its arrival in the consumer's
   callback. With a fixed rate, each message also has a scheduled send time
   (time zero + its sequence number / the rate): the latency from it adds the
-  producer's pacing (`pacing_delay`, up to a tick and the producer's own
-  stalls) and is reported beside the first, so a stalled producer cannot hide
+  producer's pacing delay (up to a tick and the producer's own stalls;
+  `schedule_figures`) and is reported beside the first, so a stalled producer cannot hide
   latency (coordinated omission), and `behind_schedule` counts what it held
   back.
 - Rates count confirms (W1) or deliveries (W2) whose arrival falls inside the
