@@ -47,7 +47,7 @@ from ringq import tracing
 from ringq.internal.v1 import peer_pb2, peer_pb2_grpc
 from ringq.keepalive import SERVER_KEEPALIVE
 from ringq.v1 import admin_pb2, group_pb2, group_pb2_grpc, queue_pb2, queue_pb2_grpc, stream_pb2, stream_pb2_grpc
-from services import config, memory_report, telemetry
+from services import config, event_loop, memory_report, telemetry
 from services import tls as tls_flags
 from services.access import DEFAULT_VHOST, Operation
 from services.access_guard import OPEN, AccessGuard
@@ -60,6 +60,7 @@ from services.coordinator.metadata import QUEUE_GROUP_PREFIX
 from services.coordinator.records import DiskReport, MemoryReport
 from services.coordinator.server import group_name_problem
 from services.disk_monitor import MEBIBYTE, DiskMonitor
+from services.event_loop import DEFAULT_EVENT_LOOP, EVENT_LOOPS
 from services.gm import wire
 from services.gm.links import LinkManager, channel_options
 from services.gm.member import MemberEvent, MemberShell, NotHosted, Watched
@@ -1035,6 +1036,13 @@ def parser(prog: str = "ringq node") -> argparse.ArgumentParser:
         "OTEL_TRACES_EXPORTER and OTEL_METRICS_EXPORTER otlp, console or none: services/telemetry.py)",
     )
     out.add_argument(
+        "--event-loop",
+        default=DEFAULT_EVENT_LOOP,
+        choices=EVENT_LOOPS,
+        help=f"the asyncio event loop the node runs on (default {DEFAULT_EVENT_LOOP}: libuv's, the cheaper per "
+        "message; asyncio: the standard library's)",
+    )
+    out.add_argument(
         "--log-level",
         default="INFO",
         choices=["DEBUG", "INFO", "WARNING", "ERROR"],
@@ -1069,7 +1077,7 @@ def main(argv: list[str] | None = None, prog: str = "ringq node") -> int:
             log.info("node %s serving metrics for Prometheus on http://%s/metrics", args.id, scrape.address)
         readers = [scrape.reader] if scrape is not None else []
         telemetry.configure("ringq-node", args.id, args.trace_dir, metric_readers=readers)
-        asyncio.run(
+        event_loop.run(
             serve(
                 args.id,
                 args.listen,
@@ -1082,7 +1090,8 @@ def main(argv: list[str] | None = None, prog: str = "ringq node") -> int:
                 cluster_advertise=args.cluster_advertise,
                 certificate_listen=args.certificate_listen,
                 health_listen=args.health_listen,
-            )
+            ),
+            args.event_loop,
         )
     except (OSError, telemetry.TelemetryError) as error:
         print(f"ringq node: {error}", file=sys.stderr)
