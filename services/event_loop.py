@@ -3,8 +3,10 @@
 Responsible for: running a node's main coroutine on the event loop its operator chose (`--event-loop`):
 `uvloop` (libuv's loop, the default) or `asyncio` (the standard library's). Guarantees: both run the same
 code with the same semantics (callbacks in the order they were scheduled, the same task and future
-types); only the loop's own cost differs. uvloop's timers have millisecond resolution, which is all a
-node asks of them (its shortest timer is the flush interval, 2 ms by default).
+types); only the loop's own cost differs. Both loops keep time in whole milliseconds: asyncio's fires a
+timer at the first millisecond after its delay, uvloop's at the nearest one (a delay under half a
+millisecond fires on the next turn of the loop). A node's timers are all longer (the shortest is the flush
+interval, 2 ms by default).
 
 Why uvloop by default: a node is a gRPC asyncio server whose poller thread wakes the loop for every
 stream message read or written, several times per message, so the loop's own scheduling work is paid
