@@ -60,7 +60,6 @@ from services.coordinator.metadata import QUEUE_GROUP_PREFIX
 from services.coordinator.records import DiskReport, MemoryReport
 from services.coordinator.server import group_name_problem
 from services.disk_monitor import MEBIBYTE, DiskMonitor
-from services.event_loop import DEFAULT_EVENT_LOOP, EVENT_LOOPS
 from services.gm import wire
 from services.gm.links import LinkManager, channel_options
 from services.gm.member import MemberEvent, MemberShell, NotHosted, Watched
@@ -1037,10 +1036,10 @@ def parser(prog: str = "ringq node") -> argparse.ArgumentParser:
     )
     out.add_argument(
         "--event-loop",
-        default=DEFAULT_EVENT_LOOP,
-        choices=EVENT_LOOPS,
-        help=f"the asyncio event loop the node runs on (default {DEFAULT_EVENT_LOOP}: libuv's, the cheaper per "
-        "message; asyncio: the standard library's)",
+        default=event_loop.DEFAULT_EVENT_LOOP,
+        choices=event_loop.EVENT_LOOPS,
+        help=f"the asyncio event loop the node runs on (default {event_loop.DEFAULT_EVENT_LOOP}: libuv's, the "
+        "cheaper per message; asyncio: the standard library's)",
     )
     out.add_argument(
         "--log-level",
