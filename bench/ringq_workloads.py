@@ -27,11 +27,12 @@ the clients and the cluster differ:
   confirm (outcome CONFIRMED, or DUPLICATE for a resend the queue already held) arrives. When the
   stream breaks, every unconfirmed message is sent again on a new stream through the next node
   (`Producer`'s resend on failover); the queue drops those it already has.
-- Consumer: `Connection.consumer(prefetch=1000)` (it resumes on another node after a failover),
-  acknowledging as the workload says, like the reference's consumer: batched (`delivery.ack(multiple=
-  True)` every 100 messages or 50 ms) or one `delivery.ack()` per message, sent on the consumer's own
-  Consume stream. The ack has no reply, as an AMQP basic.ack has none; the prefetch bounds how many
-  are outstanding.
+- Consumer: `Connection.consumer(prefetch=1000)` (it resumes on another node after a failover), its
+  deliveries taken with `Consumer.run(callback)`, as the RabbitMQ and NATS consumers take theirs in
+  a callback (pika's `basic_consume`, nats-py's `subscribe(cb=...)`), acknowledging as the workload
+  says, like the reference's consumer: batched (`delivery.ack(multiple=True)` every 100 messages or
+  50 ms) or one `delivery.ack()` per message, sent on the consumer's own Consume stream. The ack has
+  no reply, as an AMQP basic.ack has none; the prefetch bounds how many are outstanding.
 
 Beyond the reference's figures, for diagnosis (in each result's notes and details): the WARNING and
 ERROR lines the nodes logged during the workload; in W3, the messages still in the queue after the
@@ -678,8 +679,7 @@ class _Consumer:
             consumer = connection.consumer(self.cfg.queue, prefetch=self.cfg.prefetch)
             self.acks.reset()
             try:
-                async for delivery in consumer:
-                    self._on_delivery(delivery)
+                await consumer.run(self._on_delivery)
                 self.report.errors.append("connection lost: the consume stream ended")
             except RingqError as error:  # not retryable, or out of retries: the consumer resumes itself
                 if "delivery tag" in error.details:
