@@ -18,7 +18,9 @@ allocated blocks have fallen from their peak to half (by at least RELEASE_MIN_BL
 SETTLED_RELEASE_MIN_BLOCKS and then stopped falling (the drain is over), it runs a full collection,
 which also empties the interpreter's free lists (cached tuples, dicts, floats... whose blocks keep
 otherwise empty allocator arenas from going back to the system), then malloc_trim; the peak then
-starts again from there, so a node whose memory does not fall never pays for a collection.
+starts again from there, so a node whose memory does not fall never pays for a collection. The blocks are
+counted once a second while they move or the resident memory grows, every ten seconds while neither does
+(`blocks_count_due`, pure): counting them costs a quiet node more than the rest of the monitor.
 """
 
 from __future__ import annotations
@@ -39,8 +41,11 @@ MEBIBYTE = 1024 * 1024
 # gone far past the watermark (at 1 s, a single node took 68 MiB of 1 KiB messages past it in a test).
 CHECK_INTERVAL_SECONDS = 0.1
 TRIM_INTERVAL_SECONDS = 1.0  # malloc_trim walks the heap: at most this often
-# Allocated blocks are counted every this many measurements (sys.getallocatedblocks walks the arenas).
+# Allocated blocks are counted every this many measurements while they move (sys.getallocatedblocks reads a
+# header in every pool of every arena: about 1 ms for a few hundred MiB), and every QUIET_BLOCKS_EVERY_CHECKS
+# while they and the resident memory stay put (an idle node: 8 % of its CPU went to a count a second).
 BLOCKS_EVERY_CHECKS = 10
+QUIET_BLOCKS_EVERY_CHECKS = 100
 # A release (see the module docstring) once the blocks fell by at least this many (a queued 256-byte message
 # takes 4: about 120 MiB of them) to half their peak, or by SETTLED_RELEASE_MIN_BLOCKS (about 12 MiB) and
 # then moved less than SETTLED_PERCENT between two counts.
@@ -92,14 +97,30 @@ def _trimmer() -> ctypes._NamedFuncPointer | None:
     return trim
 
 
+def blocks_count_due(checks_since_count: int, moving: bool, resident_bytes_now: int, resident_at_count: int) -> bool:
+    """Whether a measurement `checks_since_count` measurements after the last count of allocated blocks counts
+    them again: every BLOCKS_EVERY_CHECKS while the last count found them moving (by more than SETTLED_PERCENT)
+    or the resident memory grew since it (by more than SETTLED_PERCENT: a fill, whose peak a release measures
+    from), else every QUIET_BLOCKS_EVERY_CHECKS. A drain, which frees blocks but keeps the resident memory,
+    is seen by the next quiet count at the latest; from there counts come every BLOCKS_EVERY_CHECKS until it
+    is over, so the release after it comes as soon as before."""
+    if checks_since_count >= QUIET_BLOCKS_EVERY_CHECKS:
+        return True
+    grew = (resident_bytes_now - resident_at_count) * 100 > resident_at_count * SETTLED_PERCENT
+    return checks_since_count >= BLOCKS_EVERY_CHECKS and (moving or grew)
+
+
+def _moved(blocks: int, previous_blocks: int) -> bool:
+    return abs(blocks - previous_blocks) * 100 > previous_blocks * SETTLED_PERCENT
+
+
 def release_due(blocks: int, previous_blocks: int, peak_blocks: int) -> bool:
     """Whether memory freed since the peak is worth a full collection and a trim: half of it gone, and a
     lot; or enough, and the fall is over (`previous_blocks`: the count before this one)."""
     fallen = peak_blocks - blocks
     if fallen >= RELEASE_MIN_BLOCKS and 2 * blocks <= peak_blocks:
         return True
-    settled = abs(blocks - previous_blocks) * 100 <= previous_blocks * SETTLED_PERCENT
-    return fallen >= SETTLED_RELEASE_MIN_BLOCKS and settled
+    return fallen >= SETTLED_RELEASE_MIN_BLOCKS and not _moved(blocks, previous_blocks)
 
 
 class MemoryMonitor:
@@ -115,7 +136,9 @@ class MemoryMonitor:
         self._clear.set()
         self._trim = _trimmer()
         self._trimmed_at = float("-inf")  # time.monotonic() of the last malloc_trim
-        self._checks = 0
+        self._checks_since_count = 0  # measurements since allocated blocks were last counted
+        self._blocks_moving = True  # whether the last count found them moving (see blocks_count_due)
+        self._resident_at_count = 0  # the resident memory when they were last counted
         self._peak_blocks = 0  # the most allocated blocks seen since the last release
         self._last_blocks = 0
         self.releases = 0
@@ -144,10 +167,14 @@ class MemoryMonitor:
         if was_on and self._trim is not None and now - self._trimmed_at >= TRIM_INTERVAL_SECONDS:
             self._trimmed_at = now
             self._trim(0)  # give freed memory back, or it would count as used for good
-        self._checks += 1
-        if self._checks % BLOCKS_EVERY_CHECKS == 0:
-            self._release_if_due()
-        self.used_bytes = resident_bytes()
+        self._checks_since_count += 1
+        used = resident_bytes()
+        if blocks_count_due(self._checks_since_count, self._blocks_moving, used, self._resident_at_count):
+            self._checks_since_count = 0
+            if self._release_if_due():
+                used = resident_bytes()
+            self._resident_at_count = used
+        self.used_bytes = used
         if self.alarm:
             self._clear.clear()
             if not was_on:
@@ -157,12 +184,14 @@ class MemoryMonitor:
             if was_on:
                 log.info("memory alarm off: %d MiB used on %s", self.used_bytes // MEBIBYTE, self.node_id)
 
-    def _release_if_due(self) -> None:
+    def _release_if_due(self) -> bool:
+        """Count the allocated blocks; release memory if due (see the module docstring). True if released."""
         blocks, previous = sys.getallocatedblocks(), self._last_blocks
         self._last_blocks = blocks
+        self._blocks_moving = _moved(blocks, previous)
         peak = self._peak_blocks = max(self._peak_blocks, blocks)
         if not release_due(blocks, previous, peak):
-            return
+            return False
         before, started = resident_bytes(), time.monotonic()
         gc.collect()  # a full one: it empties the free lists too
         if self._trim is not None:
@@ -178,6 +207,7 @@ class MemoryMonitor:
             resident_bytes() // MEBIBYTE,
             (time.monotonic() - started) * 1000,
         )
+        return True
 
     async def run(self) -> None:
         """Measure every CHECK_INTERVAL_SECONDS until cancelled."""

@@ -28,6 +28,7 @@ import services.grpc_io  # noqa: F401 (first: it chooses gRPC's I/O path, which 
 # isort: split
 import argparse
 import asyncio
+import contextlib
 import gc
 import logging
 import os
@@ -35,7 +36,7 @@ import signal
 import sys
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -86,12 +87,10 @@ COORDINATOR_RETRY_SECONDS = 7 * 24 * 3600.0
 # A third of the coordinator's default liveness timeout (5 s).
 HEARTBEAT_TO_COORDINATOR_SECONDS = 1.5
 GROUP_KIND = "group"
-# While the group watch is up, a quiet member re-reads its group only every this many check periods (2 min
-# by default): the watch brings new views; the re-read is a fallback. Members are scanned once a second and
-# at most QUIET_READS_PER_SCAN of them re-read per scan, so 1,000 idle queues cost the coordinator little.
-QUIET_CHECKS_WHILE_WATCHING = 60
-QUIET_SCAN_SECONDS = 1.0
-QUIET_READS_PER_SCAN = 16
+# The fallback to the group watch (Node._verify_groups) lists this node's groups every check period while
+# the watch is down, and every this many check periods (2 min by default) while it is up: the watch brings
+# new views at once; the listing is there for what it might miss.
+CHECKS_PER_VERIFY_WHILE_WATCHING = 60
 # gRPC refuses a message over its limits before any handler sees it, so the
 # server's limits leave room for several payloads of the largest size: larger
 # requests get RESOURCE_EXHAUSTED from gRPC itself.
@@ -163,12 +162,14 @@ class NodeSettings:
     """Timers of a node; every one is a flag of `ringq node`."""
 
     flush_interval: float = 0.002
-    heartbeat_interval: float = 0.25
+    # An idle link carries a heartbeat each way this often: four in a failure timeout (each costs both
+    # nodes a gRPC message, which is most of what an idle node does).
+    heartbeat_interval: float = 0.5
     failure_timeout: float = 2.0
     grace: float = 0.1
-    # How long a member may hear nothing from its ring before it re-reads its
-    # group itself (None: the failure timeout). Only a fallback: the node's
-    # group watch normally brings every new view at once.
+    # How often the node lists its groups while its group watch is down, to tell members of views they
+    # missed (None: the failure timeout; while the watch is up, CHECKS_PER_VERIFY_WHILE_WATCHING times
+    # less often). Only a fallback: the group watch normally brings every new view at once.
     membership_check: float | None = None
     # Where durable queues keep their messages (a directory per queue).
     data_dir: str = "data"
@@ -230,7 +231,7 @@ class Node:
         # By (node, address): with TLS a channel checks the name of the node it was opened for.
         self._peer_channels: dict[tuple[str, str], grpc.aio.Channel] = {}
         self._reported: set[tuple[str, str]] = set()
-        self._last_quiet_scan = float("-inf")  # when _check_quiet_members last ran
+        self._verify_now = asyncio.Event()  # set: list this node's groups now (_verify_groups)
         self._impostor_noted: dict[str, float] = {}
         self._detector: asyncio.Task[None] | None = None
         self.watching_groups = False
@@ -256,6 +257,7 @@ class Node:
         self._tasks.add(asyncio.ensure_future(self.memory.run()))
         self._tasks.add(asyncio.ensure_future(self._heartbeat()))
         self._tasks.add(asyncio.ensure_future(self._watch_groups()))
+        self._tasks.add(asyncio.ensure_future(self._verify_groups()))
 
     async def _refuse_a_twin(self) -> None:
         """OSError if another process runs as this node id (at the address the coordinator has for it):
@@ -274,9 +276,8 @@ class Node:
                 async for event in self.coordinator.watch([GROUP_KIND], revision):
                     self.watching_groups = True
                     revision = event.revision
-                    if event.resync:
-                        for member in list(self.members.values()):
-                            member.post(lambda core: core.check_membership())
+                    if event.resync:  # changes were missed: every member's group is listed at once
+                        self._verify_now.set()
                     elif not event.deleted:
                         self._new_view(event.key, group_from_proto(event.group))
             except grpc.aio.AioRpcError as error:
@@ -434,7 +435,6 @@ class Node:
         member = self.members.get(message.group)
         if member is None or member.id != message.receiver:
             return
-        member.last_ring_input = time.monotonic()
         try:
             ring_message = wire.from_proto(message)
         except ValueError as error:
@@ -474,31 +474,46 @@ class Node:
                     if watched.node in troubled and watched.node != self.id and self._suspicion(watched) is not None:
                         suspects.add((member.id, watched.member))
         self._reported &= suspects
-        now = time.monotonic()
-        if now - self._last_quiet_scan >= QUIET_SCAN_SECONDS:
-            self._last_quiet_scan = now
-            self._check_quiet_members(now)
         for member_id, suspect in suspects - self._reported:
             self._reported.add((member_id, suspect))
             self._report_down(member_id, suspect)
 
-    def _check_quiet_members(self, now: float) -> None:
-        """Have members that heard nothing from their ring for a while re-read their group. The group watch
-        tells members of new views at once (and a resync after a gap re-reads every member); this is the
-        fallback for when it is down, or missed something: every check period without the watch, and
-        QUIET_CHECKS_WHILE_WATCHING periods with it, at most QUIET_READS_PER_SCAN members per scan."""
-        settings = self.settings
-        check_every = settings.membership_check or settings.failure_timeout
-        quiet_for = check_every * (QUIET_CHECKS_WHILE_WATCHING if self.watching_groups else 1)
-        reads = 0
-        for member in list(self.members.values()):
-            quiet_since = max(member.last_ring_input, member.last_membership_check)
-            if member.stopped is None and member.joined.is_set() and now - quiet_since > quiet_for:
-                member.last_membership_check = now
+    async def _verify_groups(self) -> None:
+        """The fallback to the group watch, for when it is down or missed something: list the groups with
+        a member on this node (one call a page, not a read per member) every check period while the watch
+        is down, every CHECKS_PER_VERIFY_WHILE_WATCHING periods while it is up, and at once after the watch
+        reports missed changes; each member whose view is older than its listed group takes that group as
+        if the watch had brought it (a member recorded dead learns so and stops)."""
+        check_every = self.settings.membership_check or self.settings.failure_timeout
+        periods = 0
+        while True:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._verify_now.wait(), check_every)
+            periods += 1
+            if self._verify_now.is_set() or not self.watching_groups or periods >= CHECKS_PER_VERIFY_WHILE_WATCHING:
+                self._verify_now.clear()
+                periods = 0
+                try:
+                    self._verify_members(await self.coordinator.list_groups(self.id))
+                except grpc.aio.AioRpcError as error:
+                    if error.code() != grpc.StatusCode.UNIMPLEMENTED:
+                        log.debug("listing this node's groups failed: %s", error.code().name)
+                    else:  # a coordinator older than ListGroups: each member reads its own group
+                        self._verify_members(())
+
+    def _verify_members(self, groups: Iterable[Group]) -> None:
+        """Hand each joined member its group from `groups` (a listing) if that is newer than its view; a
+        member whose group the listing lacks (the table no longer lists it on this node) re-reads it."""
+        listed = {group.name: group for group in groups}
+        for name, member in list(self.members.items()):
+            if member.stopped is not None or not member.joined.is_set():
+                continue
+            group = listed.get(name)
+            view = member.core.view
+            if group is None:
                 member.post(lambda core: core.check_membership())
-                reads += 1
-                if reads >= QUIET_READS_PER_SCAN and self.watching_groups:
-                    return
+            elif view is None or group.version > view.version:
+                self._new_view(name, group)
 
     def _suspicion(self, watched: Watched) -> str | None:
         """Why `watched`'s node is suspected (the evidence), or None: silent for the failure
@@ -1005,7 +1020,8 @@ def parser(prog: str = "ringq node") -> argparse.ArgumentParser:
         "--membership-check-ms",
         type=_millis,
         default=None,
-        help="re-read a quiet member's group after this long (default: the failure timeout)",
+        help="while the group watch is down, list this node's groups this often to find views its members "
+        "missed (default: the failure timeout; 60 times less often while the watch is up)",
     )
     out.add_argument(
         "--recovery-wait-ms",

@@ -11,6 +11,8 @@ from pathlib import Path
 import grpc
 import pytest
 
+from ringq.internal.v1 import coordinator_pb2
+from services.coordinator import server as coordinator_server
 from services.coordinator.client import CoordinatorClient
 from services.coordinator.group_table import (
     AddMember,
@@ -99,6 +101,12 @@ BAD_REQUESTS = [
     pytest.param(lambda c: c.change_group("g", EraseMembers(1, (), "a")), "members must name", id="no members"),
     pytest.param(lambda c: c.change_group("g", EraseMembers(1, ("x", ""), "a")), "members[1]", id="members[1]"),
     pytest.param(lambda c: c.register_node("", "127.0.0.1:1"), "node must not be empty", id="empty node"),
+    pytest.param(lambda c: c.list_groups("n1\n"), "node must be printable", id="unprintable listing node"),
+    pytest.param(
+        lambda c: c.call(lambda stub: stub.ListGroups, coordinator_pb2.ListGroupsRequest(after="a/b")),
+        "after: group may contain only",
+        id="listing after a bad name",
+    ),
     pytest.param(lambda c: c.register_node("n1", ""), "address must not be empty", id="empty address"),
 ]
 
@@ -111,6 +119,30 @@ def test_bad_input_is_invalid_argument(tmp_path: Path, call: Call, message: str)
         assert raised.value.code() is grpc.StatusCode.INVALID_ARGUMENT
         assert message in (raised.value.details() or "")
         assert await client.read_group("g") == Group("g")  # nothing was written
+
+    run_against_server(tmp_path, scenario)
+
+
+def test_groups_are_listed_by_node_a_page_at_a_time(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The nodes' fallback to the watch: one listing of a node's groups, not a ReadGroup per member."""
+    monkeypatch.setattr(coordinator_server, "GROUPS_PAGE", 2)
+
+    async def scenario(client: CoordinatorClient) -> None:
+        assert await client.list_groups("n1") == []
+        for name in ("g1", "g2", "g3", "g4", "g5"):
+            await client.change_group(name, CreateGroup(0, A))
+        await client.change_group("h", CreateGroup(0, B))
+        await client.change_group("g3", AddMember(1, "a", B))
+        await client.change_group("g4", MarkMemberDead(1, "a", "a"))
+        for change in (AddMember(1, "a", B), MarkMemberDead(2, "a", "b"), EraseMembers(3, ("a",), "b")):
+            assert (await client.change_group("g5", change))[0] is Outcome.APPLIED  # n1's member erased
+        on_n1 = await client.list_groups("n1")
+        assert [(g.name, g.version) for g in on_n1] == [("g1", 1), ("g2", 1), ("g3", 2), ("g4", 2)]  # dead counts
+        assert on_n1 == [await client.read_group(g.name) for g in on_n1]
+        assert [g.name for g in await client.list_groups("n2")] == ["g3", "g5", "h"]
+        assert [g.name for g in await client.list_groups("")] == ["g1", "g2", "g3", "g4", "g5", "h"]
+        page = await client.call(lambda stub: stub.ListGroups, coordinator_pb2.ListGroupsRequest(node="n1", limit=5))
+        assert [g.name for g in page.groups] == ["g1", "g2"] and page.next_after == "g2", "at most a page"
 
     run_against_server(tmp_path, scenario)
 

@@ -57,6 +57,9 @@ class MemoryCoordinator:
     async def read_group(self, name: str) -> Group:
         return self.groups.get(name, Group(name))
 
+    async def list_groups(self, node: str) -> list[Group]:
+        return [group for _, group in sorted(self.groups.items()) if any(m.node == node for m in group.members)]
+
     async def change_group(self, name: str, change: GroupChange) -> tuple[Outcome, Group]:
         self.changes.append((time.monotonic(), change))
         outcome, self.groups[name] = group_table.apply(await self.read_group(name), change)

@@ -9,11 +9,14 @@ import tracemalloc
 
 import pytest
 
+from services import memory_monitor
 from services.memory_monitor import (
     BLOCKS_EVERY_CHECKS,
+    QUIET_BLOCKS_EVERY_CHECKS,
     RELEASE_MIN_BLOCKS,
     SETTLED_RELEASE_MIN_BLOCKS,
     MemoryMonitor,
+    blocks_count_due,
     memory_alarm,
     release_due,
     resident_bytes,
@@ -100,3 +103,55 @@ def test_the_monitor_releases_memory_after_a_large_drop_and_then_counts_from_the
     for _ in range(BLOCKS_EVERY_CHECKS):
         monitor.measure()
     assert monitor.releases == 1, "the peak starts again from the released level"
+
+
+MIB = 1024 * 1024
+
+
+@pytest.mark.parametrize(
+    ("since", "moving", "resident", "at_count", "due"),
+    [
+        (BLOCKS_EVERY_CHECKS - 1, True, 100 * MIB, 100 * MIB, False),  # not a second yet
+        (BLOCKS_EVERY_CHECKS, True, 100 * MIB, 100 * MIB, True),  # moving: every second
+        (BLOCKS_EVERY_CHECKS, False, 100 * MIB, 100 * MIB, False),  # quiet
+        (BLOCKS_EVERY_CHECKS, False, 102 * MIB, 100 * MIB, True),  # quiet blocks, but resident memory grew
+        (BLOCKS_EVERY_CHECKS, False, 98 * MIB, 100 * MIB, False),  # it fell: a release's doing, or the system's
+        (QUIET_BLOCKS_EVERY_CHECKS - 1, False, 100 * MIB, 100 * MIB, False),
+        (QUIET_BLOCKS_EVERY_CHECKS, False, 100 * MIB, 100 * MIB, True),  # a drain shows by then at the latest
+    ],
+)
+def test_blocks_are_counted_every_second_while_moving_and_seldom_while_quiet(
+    since: int, moving: bool, resident: int, at_count: int, due: bool
+) -> None:
+    assert blocks_count_due(since, moving, resident, at_count) is due
+
+
+def test_a_quiet_monitor_counts_blocks_seldom_and_a_drain_brings_its_release_as_soon_as_it_is_over(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Regression (issue 13, idle CPU): a count a second was 8 % of an idle node's CPU with 1,000 queues."""
+    blocks = [5_000_000]
+    counts: list[int] = []
+
+    def count() -> int:
+        counts.append(blocks[0])
+        return blocks[0]
+
+    monkeypatch.setattr(sys, "getallocatedblocks", count)
+    monkeypatch.setattr(memory_monitor, "resident_bytes", lambda: 500 * MIB)
+    monkeypatch.setattr(gc, "collect", lambda: 0)
+    monitor = MemoryMonitor("node1", watermark_bytes=0)
+    for _ in range(BLOCKS_EVERY_CHECKS * 2):
+        monitor.measure()
+    assert len(counts) == 2, "the first counts find the blocks moving (from nothing)"
+    for _ in range(QUIET_BLOCKS_EVERY_CHECKS * 3):
+        monitor.measure()
+    assert len(counts) == 2 + 3, "quiet: a count every QUIET_BLOCKS_EVERY_CHECKS measurements"
+    blocks[0] = 3_000_000  # a drain, halfway (the resident memory stays)
+    for _ in range(QUIET_BLOCKS_EVERY_CHECKS):
+        monitor.measure()
+    assert len(counts) == 6 and monitor.releases == 0, "the next quiet count sees the fall"
+    blocks[0] = 1_000_000  # the drain is over
+    for _ in range(BLOCKS_EVERY_CHECKS * 2):
+        monitor.measure()
+    assert monitor.releases == 1, "released within two counts a second apart once the fall stopped"

@@ -114,6 +114,18 @@ class CoordinatorClient:
         response = await self._call(lambda stub: stub.ReadGroup, coordinator_pb2.ReadGroupRequest(group=name))
         return group_from_proto(response.group)
 
+    async def list_groups(self, node: str) -> list[Group]:
+        """Every group with a member on `node`, in name order (a page per call)."""
+        groups: list[Group] = []
+        after = ""
+        while True:
+            request = coordinator_pb2.ListGroupsRequest(node=node, after=after)
+            response = await self._call(lambda stub: stub.ListGroups, request)
+            groups.extend(group_from_proto(group) for group in response.groups)
+            if not response.next_after:
+                return groups
+            after = response.next_after
+
     async def change_group(self, name: str, change: GroupChange) -> tuple[Outcome, Group]:
         request = change_to_request(name, change)
         response: ChangeResponse

@@ -72,6 +72,22 @@ def _group_value(group: Group) -> dict[str, Any]:
     return {"members": [{"id": m.id, "node": m.node, "alive": m.alive} for m in group.members]}
 
 
+def list_groups(store: Store, node: str, after: str, limit: int) -> tuple[list[Group], str]:
+    """Up to `limit` groups in name order whose name sorts after `after`, only those with a member on `node`
+    unless it is "", and the `after` of the next page ("" when this one is the last)."""
+    page: list[Group] = []
+    for record in store.list(GROUP):
+        if record.key <= after:
+            continue
+        group = group_from_record(record.key, record)
+        if node and not any(member.node == node for member in group.members):
+            continue
+        if len(page) == limit:
+            return page, page[-1].name
+        page.append(group)
+    return page, ""
+
+
 def group_from_record(name: str, record: Record | None) -> Group:
     if record is None:
         return Group(name)

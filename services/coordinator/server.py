@@ -61,6 +61,8 @@ _P = ParamSpec("_P")
 _T = TypeVar("_T")
 StoreKind = Literal["sqlite", "zookeeper"]
 DEFAULT_LIVENESS_MS = 5000
+# The most group tables a ListGroups answer holds (about 250 bytes each with three members).
+GROUPS_PAGE = 1000
 # Queues one vhost may have (RabbitMQ's max-queues vhost limit): each costs every replica's node memory.
 DEFAULT_MAX_QUEUES_PER_VHOST = 20_000
 
@@ -158,6 +160,18 @@ class CoordinatorServicer(
         await _reject(context, group_name_problem(request.group))
         group = await _run(context, records.read_group, self._store, request.group)
         return coordinator_pb2.ReadGroupResponse(group=group_to_proto(group))
+
+    async def ListGroups(
+        self, request: coordinator_pb2.ListGroupsRequest, context: _Context
+    ) -> coordinator_pb2.ListGroupsResponse:
+        await _reject(
+            context,
+            (_key("node", request.node) if request.node else None)
+            or (f"after: {problem}" if request.after and (problem := group_name_problem(request.after)) else None),
+        )
+        limit = min(request.limit or GROUPS_PAGE, GROUPS_PAGE)
+        groups, next_after = await _run(context, records.list_groups, self._store, request.node, request.after, limit)
+        return coordinator_pb2.ListGroupsResponse(groups=[group_to_proto(g) for g in groups], next_after=next_after)
 
     async def CreateGroup(
         self, request: coordinator_pb2.CreateGroupRequest, context: _Context

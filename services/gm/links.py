@@ -126,7 +126,7 @@ class LinkManager:
         address_of: Callable[[str], Awaitable[str | None]],
         on_ring_message: RingMessageHandler,
         on_reconnect: Callable[[str], None],
-        heartbeat_interval: float = 0.25,
+        heartbeat_interval: float = 0.5,
         clock: Callable[[], float] = time.monotonic,
         forget_address: Callable[[str], None] | None = None,
         on_refused: Callable[[str], None] | None = None,

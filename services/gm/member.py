@@ -162,10 +162,6 @@ class MemberShell:
         self.events = events
         self.neighbours: Neighbours | None = None
         self.join_request: JoinRequest | None = None
-        # When a ring message last arrived, and when membership was last
-        # re-checked for want of one (services/node.py drives both).
-        self.last_ring_input = time.monotonic()
-        self.last_membership_check = time.monotonic()
         self.joined = asyncio.Event()
         self.stopped: Stopped | None = None
         self._done = asyncio.Event()

@@ -461,9 +461,10 @@ class RingMember:
         return self._next_write()
 
     def check_membership(self) -> list[Action]:
-        """Nothing came from the ring for a while: re-read the table. A member
+        """Re-read the table (the node's fallback to its group watch asks when
+        its listing of the node's groups lacks this member's). A member
         recorded dead (paused past the failure timeout, or cut off) is sent
-        nothing more, so this is how it learns that it must stop."""
+        nothing more, so this is one way it learns that it must stop."""
         self._expect_no_io()
         if self.stopped or self.view is None or not self._was_member:
             return []
