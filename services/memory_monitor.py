@@ -2,16 +2,19 @@
 
 Responsible for: deciding whether a node uses too much memory to take more publishes
 (`memory_alarm`, pure), and a small asyncio shell (`MemoryMonitor`) that measures the node's
-resident memory ten times a second and keeps the answer for the rest of the node: the queue service
-stops reading publish streams while `alarm` is on (gRPC's flow control then blocks the publishers,
-as RabbitMQ blocks their connections), consumers go on as before, and the node's heartbeat carries
-the figures to the coordinator, which shows them in `ringqctl cluster_status`.
+resident memory (ten times a second near the watermark, once a second far below it: `check_interval`,
+pure) and keeps the answer for the rest of the node: the queue service stops reading publish streams
+while `alarm` is on (gRPC's flow control then blocks the publishers, as RabbitMQ blocks their
+connections), consumers go on as before, and the node's heartbeat carries the figures to the
+coordinator, which shows them in `ringqctl cluster_status`.
 
 Guarantees: a watermark of 0 disables the alarm; the alarm is on exactly when the last measurement
 found the resident memory at or above the watermark, so a publisher overshoots it by at most what the
-node takes in a tenth of a second; while it is on, a measurement first asks the C allocator to return
-freed memory to the system (glibc's malloc_trim, once a second at most), so memory freed by consumers
-counts as freed; nothing is refused or lost: a blocked publisher resumes where it stopped.
+node takes in a tenth of a second (a second passes between measurements only while the node is more
+than FAR_HEADROOM_BYTES below the watermark, several seconds of the fastest intake measured); while
+it is on, a measurement first asks the C allocator to return freed memory to the system (glibc's
+malloc_trim, once a second at most), so memory freed by consumers counts as freed; nothing is refused
+or lost: a blocked publisher resumes where it stopped.
 
 It also gives memory back after a large queue drains (`release_due`, pure): once the interpreter's
 allocated blocks have fallen from their peak to half (by at least RELEASE_MIN_BLOCKS), or by at least
@@ -20,7 +23,8 @@ which also empties the interpreter's free lists (cached tuples, dicts, floats...
 otherwise empty allocator arenas from going back to the system), then malloc_trim; the peak then
 starts again from there, so a node whose memory does not fall never pays for a collection. The blocks are
 counted once a second while they move or the resident memory grows, every ten seconds while neither does
-(`blocks_count_due`, pure): counting them costs a quiet node more than the rest of the monitor.
+(`blocks_count_due`, pure). Both cadences are for idle nodes (issue 13): with 1,000 idle queues a count a
+second was 8 % of a node's CPU, and ten measurements a second instead of one a fifth of it.
 """
 
 from __future__ import annotations
@@ -33,19 +37,24 @@ import logging
 import os
 import sys
 import time
+from collections.abc import Callable
 
 log = logging.getLogger("ringq.memory")
 
 MEBIBYTE = 1024 * 1024
-# Reading /proc/self/statm costs microseconds: measured often, the alarm comes before a fast publisher has
-# gone far past the watermark (at 1 s, a single node took 68 MiB of 1 KiB messages past it in a test).
+# Measured often, the alarm comes before a fast publisher has gone far past the watermark (at 1 s, a single
+# node took 68 MiB of 1 KiB messages past it in a test): every CHECK_INTERVAL_SECONDS near the watermark,
+# every FAR_CHECK_INTERVAL_SECONDS while more than FAR_HEADROOM_BYTES below it (or without one). The fastest
+# intake measured, W1 with 1 MiB bodies (docs/benchmarks.md), is about 80 MB/s: six seconds of headroom.
 CHECK_INTERVAL_SECONDS = 0.1
+FAR_CHECK_INTERVAL_SECONDS = 1.0
+FAR_HEADROOM_BYTES = 512 * MEBIBYTE
 TRIM_INTERVAL_SECONDS = 1.0  # malloc_trim walks the heap: at most this often
-# Allocated blocks are counted every this many measurements while they move (sys.getallocatedblocks reads a
-# header in every pool of every arena: about 1 ms for a few hundred MiB), and every QUIET_BLOCKS_EVERY_CHECKS
-# while they and the resident memory stay put (an idle node: 8 % of its CPU went to a count a second).
-BLOCKS_EVERY_CHECKS = 10
-QUIET_BLOCKS_EVERY_CHECKS = 100
+# Allocated blocks are counted this often while they move (sys.getallocatedblocks reads a header in every
+# pool of every arena: about 1 ms for a few hundred MiB), and every QUIET_BLOCKS_EVERY_SECONDS while they and
+# the resident memory stay put.
+BLOCKS_EVERY_SECONDS = 1.0
+QUIET_BLOCKS_EVERY_SECONDS = 10.0
 # A release (see the module docstring) once the blocks fell by at least this many (a queued 256-byte message
 # takes 4: about 120 MiB of them) to half their peak, or by SETTLED_RELEASE_MIN_BLOCKS (about 12 MiB) and
 # then moved less than SETTLED_PERCENT between two counts.
@@ -97,17 +106,24 @@ def _trimmer() -> ctypes._NamedFuncPointer | None:
     return trim
 
 
-def blocks_count_due(checks_since_count: int, moving: bool, resident_bytes_now: int, resident_at_count: int) -> bool:
-    """Whether a measurement `checks_since_count` measurements after the last count of allocated blocks counts
-    them again: every BLOCKS_EVERY_CHECKS while the last count found them moving (by more than SETTLED_PERCENT)
-    or the resident memory grew since it (by more than SETTLED_PERCENT: a fill, whose peak a release measures
-    from), else every QUIET_BLOCKS_EVERY_CHECKS. A drain, which frees blocks but keeps the resident memory,
-    is seen by the next quiet count at the latest; from there counts come every BLOCKS_EVERY_CHECKS until it
-    is over, so the release after it comes as soon as before."""
-    if checks_since_count >= QUIET_BLOCKS_EVERY_CHECKS:
+def check_interval(used_bytes: int, watermark_bytes: int) -> float:
+    """Seconds until the next measurement of a node using `used_bytes` under a watermark of `watermark_bytes`."""
+    if watermark_bytes > 0 and watermark_bytes - used_bytes < FAR_HEADROOM_BYTES:
+        return CHECK_INTERVAL_SECONDS
+    return FAR_CHECK_INTERVAL_SECONDS
+
+
+def blocks_count_due(seconds_since_count: float, moving: bool, resident_bytes_now: int, resident_at_count: int) -> bool:
+    """Whether a measurement `seconds_since_count` after the last count of allocated blocks counts them again:
+    every BLOCKS_EVERY_SECONDS while the last count found them moving (by more than SETTLED_PERCENT) or the
+    resident memory grew since it (by more than SETTLED_PERCENT: a fill, whose peak a release measures from),
+    else every QUIET_BLOCKS_EVERY_SECONDS. A drain, which frees blocks but keeps the resident memory, is seen
+    by the next quiet count at the latest; from there counts come every BLOCKS_EVERY_SECONDS until it is over,
+    so the release after it comes as soon as before."""
+    if seconds_since_count >= QUIET_BLOCKS_EVERY_SECONDS:
         return True
     grew = (resident_bytes_now - resident_at_count) * 100 > resident_at_count * SETTLED_PERCENT
-    return checks_since_count >= BLOCKS_EVERY_CHECKS and (moving or grew)
+    return seconds_since_count >= BLOCKS_EVERY_SECONDS and (moving or grew)
 
 
 def _moved(blocks: int, previous_blocks: int) -> bool:
@@ -124,9 +140,9 @@ def release_due(blocks: int, previous_blocks: int, peak_blocks: int) -> bool:
 
 
 class MemoryMonitor:
-    """The resident memory of this node, measured every CHECK_INTERVAL_SECONDS, against its watermark."""
+    """The resident memory of this node, measured every `check_interval`, against its watermark."""
 
-    def __init__(self, node_id: str, watermark_bytes: int) -> None:
+    def __init__(self, node_id: str, watermark_bytes: int, clock: Callable[[], float] = time.monotonic) -> None:
         if watermark_bytes < 0:
             raise ValueError(f"the memory high watermark must be >= 0 bytes, got {watermark_bytes}")
         self.node_id = node_id
@@ -135,8 +151,9 @@ class MemoryMonitor:
         self._clear = asyncio.Event()
         self._clear.set()
         self._trim = _trimmer()
-        self._trimmed_at = float("-inf")  # time.monotonic() of the last malloc_trim
-        self._checks_since_count = 0  # measurements since allocated blocks were last counted
+        self._trimmed_at = float("-inf")  # the clock at the last malloc_trim
+        self._clock = clock
+        self._counted_at = float("-inf")  # when allocated blocks were last counted
         self._blocks_moving = True  # whether the last count found them moving (see blocks_count_due)
         self._resident_at_count = 0  # the resident memory when they were last counted
         self._peak_blocks = 0  # the most allocated blocks seen since the last release
@@ -161,16 +178,15 @@ class MemoryMonitor:
         await self._clear.wait()
 
     def measure(self) -> None:
-        """Measure now (what `run` does every CHECK_INTERVAL_SECONDS)."""
+        """Measure now (what `run` does every `check_interval`)."""
         was_on = self.alarm
-        now = time.monotonic()
+        now = self._clock()
         if was_on and self._trim is not None and now - self._trimmed_at >= TRIM_INTERVAL_SECONDS:
             self._trimmed_at = now
             self._trim(0)  # give freed memory back, or it would count as used for good
-        self._checks_since_count += 1
         used = resident_bytes()
-        if blocks_count_due(self._checks_since_count, self._blocks_moving, used, self._resident_at_count):
-            self._checks_since_count = 0
+        if blocks_count_due(now - self._counted_at, self._blocks_moving, used, self._resident_at_count):
+            self._counted_at = now
             if self._release_if_due():
                 used = resident_bytes()
             self._resident_at_count = used
@@ -195,7 +211,7 @@ class MemoryMonitor:
         before, started = resident_bytes(), time.monotonic()
         gc.collect()  # a full one: it empties the free lists too
         if self._trim is not None:
-            self._trimmed_at = time.monotonic()
+            self._trimmed_at = self._clock()
             self._trim(0)
         self.releases += 1
         self._peak_blocks = self._last_blocks = sys.getallocatedblocks()
@@ -210,7 +226,7 @@ class MemoryMonitor:
         return True
 
     async def run(self) -> None:
-        """Measure every CHECK_INTERVAL_SECONDS until cancelled."""
+        """Measure every `check_interval` until cancelled."""
         while True:
             self.measure()
-            await asyncio.sleep(CHECK_INTERVAL_SECONDS)
+            await asyncio.sleep(check_interval(self.used_bytes or 0, self.watermark_bytes))

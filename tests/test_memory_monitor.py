@@ -11,12 +11,16 @@ import pytest
 
 from services import memory_monitor
 from services.memory_monitor import (
-    BLOCKS_EVERY_CHECKS,
-    QUIET_BLOCKS_EVERY_CHECKS,
+    BLOCKS_EVERY_SECONDS,
+    CHECK_INTERVAL_SECONDS,
+    FAR_CHECK_INTERVAL_SECONDS,
+    FAR_HEADROOM_BYTES,
+    QUIET_BLOCKS_EVERY_SECONDS,
     RELEASE_MIN_BLOCKS,
     SETTLED_RELEASE_MIN_BLOCKS,
     MemoryMonitor,
     blocks_count_due,
+    check_interval,
     memory_alarm,
     release_due,
     resident_bytes,
@@ -89,39 +93,67 @@ def test_memory_is_released_after_a_large_fall_or_once_a_fall_is_over(
     assert release_due(blocks, previous, peak) is due
 
 
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def measure_for(self, monitor: MemoryMonitor, seconds: float, step: float = CHECK_INTERVAL_SECONDS) -> None:
+        """Measure every `step` for `seconds` of this clock."""
+        for _ in range(round(seconds / step)):
+            self.now += step
+            monitor.measure()
+
+
 def test_the_monitor_releases_memory_after_a_large_drop_and_then_counts_from_there() -> None:
-    monitor = MemoryMonitor("node1", watermark_bytes=0)
+    clock = FakeClock()
+    monitor = MemoryMonitor("node1", watermark_bytes=0, clock=clock)
     # enough that their release halves the process's blocks, whatever the tests before left allocated
     held = [object() for _ in range(max(2 * RELEASE_MIN_BLOCKS, 2 * sys.getallocatedblocks()))]
-    for _ in range(BLOCKS_EVERY_CHECKS):
-        monitor.measure()
+    clock.measure_for(monitor, BLOCKS_EVERY_SECONDS)
     assert monitor.releases == 0, "nothing fell yet"
     del held
-    for _ in range(BLOCKS_EVERY_CHECKS):
-        monitor.measure()
+    clock.measure_for(monitor, BLOCKS_EVERY_SECONDS)
     assert monitor.releases == 1, "the drop was released"
-    for _ in range(BLOCKS_EVERY_CHECKS):
-        monitor.measure()
+    clock.measure_for(monitor, QUIET_BLOCKS_EVERY_SECONDS)
     assert monitor.releases == 1, "the peak starts again from the released level"
 
 
 MIB = 1024 * 1024
+GIB = 1024 * MIB
+
+
+@pytest.mark.parametrize(
+    ("used", "watermark", "interval"),
+    [
+        (100 * MIB, 0, FAR_CHECK_INTERVAL_SECONDS),  # no alarm to raise
+        (100 * MIB, 10 * GIB, FAR_CHECK_INTERVAL_SECONDS),  # far below
+        (10 * GIB - FAR_HEADROOM_BYTES, 10 * GIB, FAR_CHECK_INTERVAL_SECONDS),
+        (10 * GIB - FAR_HEADROOM_BYTES + 1, 10 * GIB, CHECK_INTERVAL_SECONDS),  # near: ten times a second
+        (11 * GIB, 10 * GIB, CHECK_INTERVAL_SECONDS),  # past it: its end is noticed within a tenth of a second
+        (100 * MIB, 200 * MIB, CHECK_INTERVAL_SECONDS),  # a small watermark is always near
+    ],
+)
+def test_memory_is_measured_often_only_near_the_watermark(used: int, watermark: int, interval: float) -> None:
+    assert check_interval(used, watermark) == interval
 
 
 @pytest.mark.parametrize(
     ("since", "moving", "resident", "at_count", "due"),
     [
-        (BLOCKS_EVERY_CHECKS - 1, True, 100 * MIB, 100 * MIB, False),  # not a second yet
-        (BLOCKS_EVERY_CHECKS, True, 100 * MIB, 100 * MIB, True),  # moving: every second
-        (BLOCKS_EVERY_CHECKS, False, 100 * MIB, 100 * MIB, False),  # quiet
-        (BLOCKS_EVERY_CHECKS, False, 102 * MIB, 100 * MIB, True),  # quiet blocks, but resident memory grew
-        (BLOCKS_EVERY_CHECKS, False, 98 * MIB, 100 * MIB, False),  # it fell: a release's doing, or the system's
-        (QUIET_BLOCKS_EVERY_CHECKS - 1, False, 100 * MIB, 100 * MIB, False),
-        (QUIET_BLOCKS_EVERY_CHECKS, False, 100 * MIB, 100 * MIB, True),  # a drain shows by then at the latest
+        (BLOCKS_EVERY_SECONDS - 0.1, True, 100 * MIB, 100 * MIB, False),  # not a second yet
+        (BLOCKS_EVERY_SECONDS, True, 100 * MIB, 100 * MIB, True),  # moving: every second
+        (BLOCKS_EVERY_SECONDS, False, 100 * MIB, 100 * MIB, False),  # quiet
+        (BLOCKS_EVERY_SECONDS, False, 102 * MIB, 100 * MIB, True),  # quiet blocks, but resident memory grew
+        (BLOCKS_EVERY_SECONDS, False, 98 * MIB, 100 * MIB, False),  # it fell: a release's doing, or the system's
+        (QUIET_BLOCKS_EVERY_SECONDS - 0.1, False, 100 * MIB, 100 * MIB, False),
+        (QUIET_BLOCKS_EVERY_SECONDS, False, 100 * MIB, 100 * MIB, True),  # a drain shows by then at the latest
     ],
 )
 def test_blocks_are_counted_every_second_while_moving_and_seldom_while_quiet(
-    since: int, moving: bool, resident: int, at_count: int, due: bool
+    since: float, moving: bool, resident: int, at_count: int, due: bool
 ) -> None:
     assert blocks_count_due(since, moving, resident, at_count) is due
 
@@ -140,18 +172,16 @@ def test_a_quiet_monitor_counts_blocks_seldom_and_a_drain_brings_its_release_as_
     monkeypatch.setattr(sys, "getallocatedblocks", count)
     monkeypatch.setattr(memory_monitor, "resident_bytes", lambda: 500 * MIB)
     monkeypatch.setattr(gc, "collect", lambda: 0)
-    monitor = MemoryMonitor("node1", watermark_bytes=0)
-    for _ in range(BLOCKS_EVERY_CHECKS * 2):
-        monitor.measure()
+    clock = FakeClock()
+    monitor = MemoryMonitor("node1", watermark_bytes=0, clock=clock)
+    monitor.measure()
+    clock.measure_for(monitor, BLOCKS_EVERY_SECONDS)
     assert len(counts) == 2, "the first counts find the blocks moving (from nothing)"
-    for _ in range(QUIET_BLOCKS_EVERY_CHECKS * 3):
-        monitor.measure()
-    assert len(counts) == 2 + 3, "quiet: a count every QUIET_BLOCKS_EVERY_CHECKS measurements"
+    clock.measure_for(monitor, 3 * QUIET_BLOCKS_EVERY_SECONDS, step=FAR_CHECK_INTERVAL_SECONDS)
+    assert len(counts) == 2 + 3, "quiet: a count every QUIET_BLOCKS_EVERY_SECONDS"
     blocks[0] = 3_000_000  # a drain, halfway (the resident memory stays)
-    for _ in range(QUIET_BLOCKS_EVERY_CHECKS):
-        monitor.measure()
+    clock.measure_for(monitor, QUIET_BLOCKS_EVERY_SECONDS, step=FAR_CHECK_INTERVAL_SECONDS)
     assert len(counts) == 6 and monitor.releases == 0, "the next quiet count sees the fall"
     blocks[0] = 1_000_000  # the drain is over
-    for _ in range(BLOCKS_EVERY_CHECKS * 2):
-        monitor.measure()
-    assert monitor.releases == 1, "released within two counts a second apart once the fall stopped"
+    clock.measure_for(monitor, BLOCKS_EVERY_SECONDS, step=FAR_CHECK_INTERVAL_SECONDS)
+    assert monitor.releases == 1, "released at the next count, a second later"
