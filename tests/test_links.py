@@ -188,6 +188,38 @@ def test_troubled_peers_are_the_silent_and_the_refusing_only() -> None:
     asyncio.run(asyncio.wait_for(scenario(), 30))
 
 
+def test_a_refusal_seen_before_a_link_is_wanted_again_does_not_count_against_the_peer() -> None:
+    """Regression: node1 died, its member was recorded dead and node2 stopped wanting the link, its last dial
+    refused. node1 came back at another port and its new member became node2's neighbour: node2's failure
+    detector saw the old refusal and recorded the new member dead within 30 ms, before node2's new dial
+    found the new address (tests/test_integration_promotion.py, the master's node restarted)."""
+
+    async def scenario() -> None:
+        addresses: dict[str, str] = {}
+        one, two = _Node("node1", addresses), _Node("node2", addresses)
+        for node in (one, two):
+            await node.server.start()
+        again = None
+        try:
+            one.links.want({"node2"})
+            await _until(lambda: one.links.is_connected("node2"))
+            await two.close()
+            await _until(lambda: one.links.refused("node2"))
+            one.links.want(set())  # node2's member was recorded dead: no neighbour there any more
+            again = _Node("node2", addresses)  # back, at another port
+            await again.server.start()
+            one.links.want({"node2"})  # its new member is a neighbour
+            assert not one.links.refused("node2")
+            assert one.links.troubled_peers(silent_longer_than=3600.0) == set()
+            await _until(lambda: one.links.is_connected("node2"))
+        finally:
+            await one.close()
+            if again is not None:
+                await again.close()
+
+    asyncio.run(asyncio.wait_for(scenario(), 30))
+
+
 def test_an_idle_link_is_kept_heard_by_heartbeats_both_ways() -> None:
     """Heartbeats come from a timer per heartbeat interval (not one per frame): with nothing to send for
     ten intervals, each end still hears the other every interval or so, and ring frames sent meanwhile

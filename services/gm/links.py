@@ -172,6 +172,10 @@ class LinkManager:
             if not link.wanted:
                 link.wanted = True
                 link.last_heard = max(link.last_heard, self.clock()) if not link.active else link.last_heard
+                # A refusal seen before the link was wanted again may be of a process gone since: the peer
+                # node may have restarted at another address, hosting the new neighbour. The dial now begun
+                # asks again (a first refusal looks the address up anew); until then nothing is refused.
+                link.refused = False
             self._ensure_dial(link)
         for peer, link in self._links.items():
             if peer not in peers:
