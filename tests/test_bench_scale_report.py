@@ -80,7 +80,7 @@ def test_the_idle_goal_looks_at_the_largest_count_of_a_thousand_or_more() -> Non
 
 
 def _run() -> ScaleRun:
-    run = ScaleRun("make bench-scale", "2026-01-01 00:00 UTC", "0.2.0", "abc", Durations(2.0, 10.0), 20.0, 3)
+    run = ScaleRun("make bench-scale", "2026-01-01 00:00 UTC", "0.2.0", "abc", Durations(2.0, 10.0), 20.0, 130.0, 3)
     run.replicas = [ReplicasRow(1, 3, 40_000, 0.9, "notes one"), ReplicasRow(5, 5, 12_345.6, 1.8, "notes five")]
     run.idle = {0: {"node1": 0.3, "node2": 0.2, "node3": 0.2}, 1000: {"node1": 1.5, "node2": 1.0, "node3": 1.1}}
     run.queues = [QueuesRow(1000, 3, 2, 2, 9_000, 1.7, 0.3, [])]
@@ -109,7 +109,7 @@ def test_the_report_and_section_hold_every_part(tmp_path: Path) -> None:
 
 
 def test_a_run_of_one_part_shows_only_its_table_and_the_goals_not_measured() -> None:
-    run = ScaleRun("c", "d", "v", "c", Durations(1.0, 3.0), 5.0, 3)
+    run = ScaleRun("c", "d", "v", "c", Durations(1.0, 3.0), 5.0, 130.0, 3)
     run.bodies = [BodyRow(256, 30_000, 1.2, 1000, 100)]
     titles = [t[0] for t in bench_scale.tables(run)]
     assert titles == ["W1 by body size"]
