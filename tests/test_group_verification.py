@@ -11,7 +11,7 @@ read eight groups a second).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import replace
 
 import grpc
@@ -68,41 +68,48 @@ def _stopped(events: list[MemberEvent]) -> bool:
     return any(isinstance(event, Stopped) for event in events)
 
 
-def test_with_the_watch_down_a_member_learns_of_its_death_from_the_nodes_listing() -> None:
-    async def scenario() -> None:
-        coordinator = WatchedCoordinator(watch_up=False)
-        node = Node("node1", "127.0.0.1:1", coordinator, replace(SETTINGS, membership_check=0.1))  # type: ignore[arg-type]
+Scenario = Callable[[WatchedCoordinator, Node], Awaitable[None]]
+
+
+def _run(coordinator: WatchedCoordinator, membership_check: float, scenario: Scenario) -> None:
+    """Run `scenario` with a started node1 of `coordinator`, listing its groups every `membership_check` s
+    while its watch is down; the node stops after."""
+
+    async def main() -> None:
+        settings = replace(SETTINGS, membership_check=membership_check)
+        node = Node("node1", "127.0.0.1:1", coordinator, settings)  # type: ignore[arg-type]
         await node.start()
         try:
-            events = await _member_recorded_dead_behind_its_back(coordinator, node)
-            reads, listings = coordinator.reads, coordinator.listings
-            await _wait_for(lambda: _stopped(events), 5, "the member to learn of its death")
-            assert coordinator.listings > listings, "the listing told it"
-            assert coordinator.reads == reads, "no member read its group for it"
+            await scenario(coordinator, node)
         finally:
             await node.stop(timeout=1.0)
 
-    asyncio.run(scenario())
+    asyncio.run(main())
+
+
+def test_with_the_watch_down_a_member_learns_of_its_death_from_the_nodes_listing() -> None:
+    async def scenario(coordinator: WatchedCoordinator, node: Node) -> None:
+        events = await _member_recorded_dead_behind_its_back(coordinator, node)
+        reads, listings = coordinator.reads, coordinator.listings
+        await _wait_for(lambda: _stopped(events), 5, "the member to learn of its death")
+        assert coordinator.listings > listings, "the listing told it"
+        assert coordinator.reads == reads, "no member read its group for it"
+
+    _run(WatchedCoordinator(watch_up=False), 0.1, scenario)
 
 
 def test_a_resync_from_the_watch_makes_the_node_list_its_groups_at_once() -> None:
-    async def scenario() -> None:
-        coordinator = WatchedCoordinator(watch_up=True)
-        # The periodic listing would come only after a minute: what tells the member is the resync.
-        node = Node("node1", "127.0.0.1:1", coordinator, replace(SETTINGS, membership_check=60.0))  # type: ignore[arg-type]
-        await node.start()
-        try:
-            await _wait_for(lambda: node.watching_groups, 5, "the node's watch to be up")
-            events = await _member_recorded_dead_behind_its_back(coordinator, node)
-            reads = coordinator.reads
-            assert coordinator.listings == 0
-            coordinator.events.put_nowait(coordinator_pb2.WatchResponse(revision=7, resync=True))
-            await _wait_for(lambda: _stopped(events), 5, "the member to learn of its death")
-            assert coordinator.listings == 1 and coordinator.reads == reads
-        finally:
-            await node.stop(timeout=1.0)
+    async def scenario(coordinator: WatchedCoordinator, node: Node) -> None:
+        await _wait_for(lambda: node.watching_groups, 5, "the node's watch to be up")
+        events = await _member_recorded_dead_behind_its_back(coordinator, node)
+        reads = coordinator.reads
+        assert coordinator.listings == 0
+        coordinator.events.put_nowait(coordinator_pb2.WatchResponse(revision=7, resync=True))
+        await _wait_for(lambda: _stopped(events), 5, "the member to learn of its death")
+        assert coordinator.listings == 1 and coordinator.reads == reads
 
-    asyncio.run(scenario())
+    # The periodic listing would come only after a minute: what tells the member is the resync.
+    _run(WatchedCoordinator(watch_up=True), 60.0, scenario)
 
 
 class OlderCoordinator(WatchedCoordinator):
@@ -114,16 +121,10 @@ class OlderCoordinator(WatchedCoordinator):
 
 
 def test_with_a_coordinator_older_than_the_listing_each_member_reads_its_group() -> None:
-    async def scenario() -> None:
-        coordinator = OlderCoordinator(watch_up=False)
-        node = Node("node1", "127.0.0.1:1", coordinator, replace(SETTINGS, membership_check=0.1))  # type: ignore[arg-type]
-        await node.start()
-        try:
-            events = await _member_recorded_dead_behind_its_back(coordinator, node)
-            reads = coordinator.reads
-            await _wait_for(lambda: _stopped(events), 5, "the member to learn of its death")
-            assert coordinator.listings > 0 and coordinator.reads > reads, "it read its group after the listing failed"
-        finally:
-            await node.stop(timeout=1.0)
+    async def scenario(coordinator: WatchedCoordinator, node: Node) -> None:
+        events = await _member_recorded_dead_behind_its_back(coordinator, node)
+        reads = coordinator.reads
+        await _wait_for(lambda: _stopped(events), 5, "the member to learn of its death")
+        assert coordinator.listings > 0 and coordinator.reads > reads, "it read its group after the listing failed"
 
-    asyncio.run(scenario())
+    _run(OlderCoordinator(watch_up=False), 0.1, scenario)
